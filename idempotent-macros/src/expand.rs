@@ -1,0 +1,116 @@
+//! Generates the rewritten handler from a checked [`Plan`]. Nothing here can fail.
+
+use proc_macro2::{Span, TokenStream};
+use quote::{format_ident, quote, quote_spanned};
+use syn::spanned::Spanned;
+use syn::{FnArg, ItemFn};
+
+use crate::ctxt::Ctxt;
+use crate::validate::Plan;
+use crate::{parse, validate};
+
+/// The whole attribute: parse, validate, generate. On errors, the errors and the function as the
+/// user wrote it, so that one mistake does not cascade into many.
+pub(crate) fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
+    let function: ItemFn = match syn::parse2(item.clone()) {
+        Ok(function) => function,
+        Err(error) => {
+            let error = syn::Error::new(
+                error.span(),
+                "#[idempotent] goes on an `async fn` handler or method",
+            )
+            .to_compile_error();
+            return quote!(#error #item);
+        }
+    };
+    let mut cx = Ctxt::default();
+    let args = parse::args(&mut cx, args);
+    let signature = parse::signature(&function.sig);
+    match validate::plan(cx, args, &function.sig, signature) {
+        Ok(plan) => rewrite(&plan, function),
+        Err(errors) => {
+            let errors = errors.to_compile_error();
+            quote!(#errors #function)
+        }
+    }
+}
+
+/// Replaces the connection parameter by the inbox and wraps the body in claim and commit.
+fn rewrite(plan: &Plan, mut function: ItemFn) -> TokenStream {
+    let Plan {
+        krate,
+        consumer,
+        key,
+        connection,
+        message,
+        ok,
+        err,
+        declared_output,
+    } = plan;
+    let private = quote!(#krate::__private);
+    let site = Span::mixed_site();
+    let inbox = format_ident!("inbox", span = site);
+    let claimed = format_ident!("__claimed", span = site);
+    let result = format_ident!("__result", span = site);
+    let builder = format_ident!("__key", span = site);
+    let fake_return = format_ident!("__fake_return", span = site);
+
+    let connection_ty = &connection.ty;
+    let connection_pat = &connection.pat;
+    let connection_ref = &connection.reference;
+    let inbox_param: FnArg = syn::parse_quote_spanned! {connection_ref.span()=>
+        #inbox: &#private::InboxFor<#connection_ty>
+    };
+    if let Some(param) = function
+        .sig
+        .inputs
+        .iter_mut()
+        .find(|arg| matches!(arg, FnArg::Typed(_)))
+    {
+        *param = inbox_param;
+    }
+    function.sig.output = syn::parse_quote_spanned! {declared_output.span()=>
+        -> ::core::result::Result<#private::Handled<#ok>, #private::HandlerError<#err>>
+    };
+
+    let pushes = key.iter().map(|path| {
+        let members = &path.members;
+        quote_spanned! {path.lit.span()=>
+            #builder.push(&#message #(.#members)*);
+        }
+    });
+    let body = &function.block;
+    let block = quote! {{
+        let #builder = {
+            let mut #builder = #private::KeyBuilder::new();
+            #(#pushes)*
+            #builder.finish()
+        };
+        let mut #claimed = match #private::start(#inbox, #consumer, #builder).await {
+            #private::Start::Claimed(claimed) => claimed,
+            #private::Start::Done(outcome) => return outcome,
+        };
+        let #result = {
+            let #connection_pat: #connection_ref = #claimed.connection();
+            async move {
+                #[allow(
+                    unknown_lints,
+                    unreachable_code,
+                    clippy::diverging_sub_expression,
+                    clippy::empty_loop,
+                    clippy::let_unit_value,
+                    clippy::needless_return
+                )]
+                if false {
+                    let #fake_return: #declared_output = loop {};
+                    return #fake_return;
+                }
+                #body
+            }
+            .await
+        };
+        #claimed.finish(#result).await
+    }};
+    function.block = syn::parse2(block).expect("the generated body is a block");
+    quote!(#function)
+}

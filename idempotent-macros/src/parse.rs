@@ -1,0 +1,316 @@
+//! Reads the attribute's arguments and the handler's signature without judging them: what is
+//! missing or wrong is left for [`validate`](crate::validate), except what cannot be read at all.
+
+use proc_macro2::{Span, TokenStream};
+use syn::parse::Parser;
+use syn::punctuated::Punctuated;
+use syn::spanned::Spanned;
+use syn::{Expr, ExprLit, FnArg, Lit, LitStr, Member, Meta, Pat, Token, Type};
+
+use crate::ctxt::Ctxt;
+
+/// The arguments a user may write, for the "unknown argument" error.
+pub(crate) const ARGUMENTS: &str = "`key`, `consumer`, `allow_unstable_key` and `crate`";
+
+/// The attribute's arguments, each as written (or `None` when absent).
+#[derive(Default)]
+pub(crate) struct Args {
+    pub(crate) key: Slot<Key>,
+    pub(crate) consumer: Slot<LitStr>,
+    pub(crate) allow_unstable_key: Slot<LitStr>,
+    pub(crate) krate: Slot<syn::Path>,
+}
+
+/// One argument's value; setting it twice is an error at the second name.
+pub(crate) struct Slot<T> {
+    pub(crate) value: Option<T>,
+}
+
+impl<T> Default for Slot<T> {
+    fn default() -> Self {
+        Self { value: None }
+    }
+}
+
+impl<T> Slot<T> {
+    fn set(&mut self, cx: &mut Ctxt, name: &syn::Path, value: T) {
+        if self.value.is_some() {
+            cx.error_spanned(
+                name,
+                format_args!(
+                    "duplicate argument `{}` in #[idempotent(...)]",
+                    quote::quote!(#name)
+                ),
+            );
+        } else {
+            self.value = Some(value);
+        }
+    }
+}
+
+/// The message key: one field path, or several for a composite business key.
+pub(crate) struct Key {
+    pub(crate) paths: Vec<KeyPath>,
+}
+
+/// A path to a field of the message, such as `"meta.message_id"`.
+pub(crate) struct KeyPath {
+    /// The string literal as written, for spans and messages.
+    pub(crate) lit: LitStr,
+    /// The fields to follow, spanned on the literal.
+    pub(crate) members: Vec<Member>,
+}
+
+/// Parses `key = "...", consumer = "...", ...`, recording every problem in `cx`.
+pub(crate) fn args(cx: &mut Ctxt, tokens: TokenStream) -> Args {
+    let mut args = Args::default();
+    let metas = match Punctuated::<Meta, Token![,]>::parse_terminated.parse2(tokens) {
+        Ok(metas) => metas,
+        Err(error) => {
+            cx.syn_error(error);
+            return args;
+        }
+    };
+    for meta in metas {
+        let Meta::NameValue(nv) = meta else {
+            let path = meta.path();
+            if known(path) {
+                cx.error_spanned(
+                    &meta,
+                    format_args!(
+                        "expected `{} = ...` in #[idempotent(...)]",
+                        quote::quote!(#path)
+                    ),
+                );
+            } else {
+                unknown(cx, path);
+            }
+            continue;
+        };
+        let name = &nv.path;
+        if name.is_ident("key") {
+            if let Some(key) = key(cx, &nv.value) {
+                args.key.set(cx, name, key);
+            }
+        } else if name.is_ident("consumer") {
+            if let Some(lit) = string(cx, &nv.value, "consumer") {
+                args.consumer.set(cx, name, lit);
+            }
+        } else if name.is_ident("allow_unstable_key") {
+            if let Some(lit) = string(cx, &nv.value, "allow_unstable_key") {
+                args.allow_unstable_key.set(cx, name, lit);
+            }
+        } else if name.is_ident("crate") {
+            if let Some(lit) = string(cx, &nv.value, "crate") {
+                match lit.parse::<syn::Path>() {
+                    Ok(path) => args.krate.set(cx, name, path),
+                    Err(_) => cx.error_spanned(
+                        &lit,
+                        "#[idempotent(crate = \"...\")] must be a path, such as \"my_idempotent\"",
+                    ),
+                }
+            }
+        } else {
+            unknown(cx, name);
+        }
+    }
+    args
+}
+
+fn known(path: &syn::Path) -> bool {
+    ["key", "consumer", "allow_unstable_key", "crate"]
+        .iter()
+        .any(|name| path.is_ident(name))
+}
+
+fn unknown(cx: &mut Ctxt, path: &syn::Path) {
+    cx.error_spanned(
+        path,
+        format_args!(
+            "unknown argument `{}` in #[idempotent(...)]\nhelp: the arguments are {ARGUMENTS}",
+            quote::quote!(#path)
+        ),
+    );
+}
+
+fn string(cx: &mut Ctxt, value: &Expr, name: &str) -> Option<LitStr> {
+    match value {
+        Expr::Lit(ExprLit {
+            lit: Lit::Str(lit), ..
+        }) => Some(lit.clone()),
+        _ => {
+            cx.error_spanned(
+                value,
+                format_args!("#[idempotent({name} = \"...\")] takes a string literal"),
+            );
+            None
+        }
+    }
+}
+
+fn key(cx: &mut Ctxt, value: &Expr) -> Option<Key> {
+    let lits: Vec<&Expr> = match value {
+        Expr::Tuple(tuple) => tuple.elems.iter().collect(),
+        Expr::Paren(paren) => vec![&*paren.expr],
+        other => vec![other],
+    };
+    let mut paths = Vec::new();
+    for lit in lits {
+        let Expr::Lit(ExprLit {
+            lit: Lit::Str(lit), ..
+        }) = lit
+        else {
+            cx.error_spanned(
+                lit,
+                "#[idempotent(key = ...)] takes a field name as a string, such as \"message_id\", or a tuple of them",
+            );
+            continue;
+        };
+        if let Some(members) = key_path(cx, lit) {
+            paths.push(KeyPath {
+                lit: lit.clone(),
+                members,
+            });
+        }
+    }
+    Some(Key { paths })
+}
+
+fn key_path(cx: &mut Ctxt, lit: &LitStr) -> Option<Vec<Member>> {
+    let text = lit.value();
+    let mut members = Vec::new();
+    for part in text.split('.') {
+        let member = if !part.is_empty() && part.bytes().all(|b| b.is_ascii_digit()) {
+            part.parse::<u32>().ok().map(|index| {
+                Member::Unnamed(syn::Index {
+                    index,
+                    span: lit.span(),
+                })
+            })
+        } else {
+            syn::parse_str::<syn::Ident>(part)
+                .ok()
+                .map(|ident| Member::Named(syn::Ident::new(&ident.to_string(), lit.span())))
+        };
+        match member {
+            Some(member) => members.push(member),
+            None => {
+                cx.error_spanned(
+                    lit,
+                    format_args!(
+                        "#[idempotent(key = {:?})] is not a field path\nhelp: name a field of the message, such as \"message_id\" or \"meta.message_id\"",
+                        text
+                    ),
+                );
+                return None;
+            }
+        }
+    }
+    Some(members)
+}
+
+/// The handler's signature, classified.
+pub(crate) struct Signature {
+    /// The first parameter after `self`, if it is `&mut T`.
+    pub(crate) connection: Result<Connection, Span>,
+    /// The name the message is bound to, if the second parameter is a plain binding.
+    pub(crate) message: Result<syn::Ident, Span>,
+    /// The declared return type.
+    pub(crate) output: Output,
+}
+
+/// The connection parameter, `pat: &mut ty`.
+pub(crate) struct Connection {
+    pub(crate) pat: Box<Pat>,
+    /// The whole parameter type, `&mut ty`.
+    pub(crate) reference: Type,
+    /// The connection type behind the reference.
+    pub(crate) ty: Type,
+}
+
+/// What the handler returns.
+pub(crate) enum Output {
+    /// Nothing (`()`).
+    Missing(Span),
+    /// `Result<T, E>` spelt out.
+    Result { ok: Type, err: Type },
+    /// Some other path, possibly an alias of `Result`; the compiler checks it.
+    Path(Type),
+    /// Any other type: not a `Result`.
+    NotResult(Type),
+}
+
+/// Classifies the parameters and return type of `sig`.
+pub(crate) fn signature(sig: &syn::Signature) -> Signature {
+    let mut typed = sig.inputs.iter().filter_map(|arg| match arg {
+        FnArg::Typed(pat_type) => Some(pat_type),
+        FnArg::Receiver(_) => None,
+    });
+    let params_span = sig.paren_token.span.join();
+    let connection = match typed.next() {
+        None => Err(params_span),
+        Some(param) => match strip_group(&param.ty) {
+            Type::Reference(reference) if reference.mutability.is_some() => Ok(Connection {
+                pat: param.pat.clone(),
+                reference: (*param.ty).clone(),
+                ty: (*reference.elem).clone(),
+            }),
+            _ => Err(param.span()),
+        },
+    };
+    let message = match typed.next() {
+        None => Err(params_span),
+        Some(param) => match &*param.pat {
+            Pat::Ident(pat) if pat.subpat.is_none() && pat.by_ref.is_none() => {
+                Ok(pat.ident.clone())
+            }
+            other => Err(other.span()),
+        },
+    };
+    let output = match &sig.output {
+        syn::ReturnType::Default => Output::Missing(params_span),
+        syn::ReturnType::Type(_, ty) => output(ty),
+    };
+    Signature {
+        connection,
+        message,
+        output,
+    }
+}
+
+fn output(ty: &Type) -> Output {
+    let Type::Path(path) = strip_group(ty) else {
+        return Output::NotResult(ty.clone());
+    };
+    let Some(last) = path.path.segments.last() else {
+        return Output::NotResult(ty.clone());
+    };
+    if last.ident == "Result" {
+        if let syn::PathArguments::AngleBracketed(args) = &last.arguments {
+            let types: Vec<&Type> = args
+                .args
+                .iter()
+                .filter_map(|arg| match arg {
+                    syn::GenericArgument::Type(ty) => Some(ty),
+                    _ => None,
+                })
+                .collect();
+            if let [ok, err] = types[..] {
+                return Output::Result {
+                    ok: ok.clone(),
+                    err: err.clone(),
+                };
+            }
+        }
+    }
+    Output::Path(ty.clone())
+}
+
+/// Looks through the invisible groups `macro_rules!` puts around `$t:ty`.
+fn strip_group(ty: &Type) -> &Type {
+    match ty {
+        Type::Group(group) => strip_group(&group.elem),
+        Type::Paren(paren) => strip_group(&paren.elem),
+        other => other,
+    }
+}

@@ -1,0 +1,173 @@
+//! Checks the parsed attribute and signature, and turns them into the [`Plan`] that code
+//! generation follows. Every mistake is reported, each at its own span.
+
+use proc_macro2::Span;
+use syn::{LitStr, Member, Type};
+
+use crate::ctxt::Ctxt;
+use crate::parse::{Args, Connection, KeyPath, Output, Signature};
+use crate::unstable;
+
+/// Longest consumer name, as the runtime's `MAX_CONSUMER_LEN`.
+const MAX_CONSUMER_LEN: usize = 200;
+
+/// Everything code generation needs, all of it checked.
+pub(crate) struct Plan {
+    pub(crate) krate: syn::Path,
+    pub(crate) consumer: LitStr,
+    pub(crate) key: Vec<KeyPath>,
+    pub(crate) connection: Connection,
+    pub(crate) message: syn::Ident,
+    /// `Ok` and `Err` types of the declared return type.
+    pub(crate) ok: Type,
+    pub(crate) err: Type,
+    /// The declared return type, for the body's type.
+    pub(crate) declared_output: Type,
+}
+
+/// Checks everything and reports every problem at once.
+pub(crate) fn plan(
+    mut cx: Ctxt,
+    args: Args,
+    sig: &syn::Signature,
+    parsed: Signature,
+) -> syn::Result<Plan> {
+    if sig.asyncness.is_none() {
+        cx.error_spanned(
+            sig.fn_token,
+            "#[idempotent] handlers must be `async fn`s\nhelp: the claim, the body and the commit all talk to the database; write `async fn`",
+        );
+    }
+    let krate: syn::Path = args
+        .krate
+        .value
+        .unwrap_or_else(|| syn::parse_quote!(::idempotent));
+    let consumer = consumer(&mut cx, args.consumer.value);
+    let key = key(&mut cx, args.key.value, args.allow_unstable_key.value);
+    let connection = parsed.connection.map_err(|span| {
+        cx.error(
+            span,
+            "#[idempotent] handlers take the transaction's connection as their first parameter\nhelp: write `tx: &mut sqlx::PgConnection` (or `&mut sqlx::SqliteConnection`) before the message",
+        )
+    });
+    let message = parsed.message.map_err(|span| {
+        cx.error(
+            span,
+            "#[idempotent] handlers take the message, bound to a name, right after the connection\nhelp: write `msg: &MyMessage` as the second parameter; the key is read from its fields",
+        )
+    });
+    let output = match parsed.output {
+        Output::Result { ok, err } => Some((ok, err)),
+        Output::Path(ty) => {
+            let ok = syn::parse_quote!(<#ty as #krate::__private::HandlerResult>::Ok);
+            let err = syn::parse_quote!(<#ty as #krate::__private::HandlerResult>::Err);
+            Some((ok, err))
+        }
+        Output::Missing(span) => {
+            cx.error(span, not_result());
+            None
+        }
+        Output::NotResult(ty) => {
+            cx.error_spanned(ty, not_result());
+            None
+        }
+    };
+    cx.check()?;
+    let (Some(consumer), Some(key), Ok(connection), Ok(message), Some((ok, err))) =
+        (consumer, key, connection, message, output)
+    else {
+        unreachable!("every missing piece recorded an error");
+    };
+    let declared_output = match &sig.output {
+        syn::ReturnType::Type(_, ty) => (**ty).clone(),
+        syn::ReturnType::Default => unreachable!("a missing return type recorded an error"),
+    };
+    Ok(Plan {
+        krate,
+        consumer,
+        key,
+        connection,
+        message,
+        ok,
+        err,
+        declared_output,
+    })
+}
+
+fn not_result() -> &'static str {
+    "#[idempotent] handlers must return a `Result`\nhelp: return `Result<T, YourError>`; an `Err` rolls the transaction back so that a redelivery runs the handler again"
+}
+
+fn consumer(cx: &mut Ctxt, consumer: Option<LitStr>) -> Option<LitStr> {
+    let Some(consumer) = consumer else {
+        cx.error(
+            Span::call_site(),
+            "#[idempotent] needs `consumer = \"...\"`\nhelp: name the service or handler that consumes the message, such as `consumer = \"orders\"`; it keeps its own record of processed messages, and must not change when the function is renamed",
+        );
+        return None;
+    };
+    let value = consumer.value();
+    if value.trim().is_empty() {
+        cx.error_spanned(&consumer, "#[idempotent(consumer = \"...\")] must not be empty");
+    } else if value.len() > MAX_CONSUMER_LEN {
+        cx.error_spanned(
+            &consumer,
+            "#[idempotent(consumer = \"...\")] must be at most 200 bytes long",
+        );
+    }
+    Some(consumer)
+}
+
+fn key(
+    cx: &mut Ctxt,
+    key: Option<crate::parse::Key>,
+    allow_unstable: Option<LitStr>,
+) -> Option<Vec<KeyPath>> {
+    let Some(key) = key else {
+        cx.error(
+            Span::call_site(),
+            "#[idempotent] needs `key = \"...\"`\nhelp: name the message field that identifies it stably, such as `key = \"message_id\"`, or a business key such as `key = (\"order_id\", \"payment_id\")`",
+        );
+        return None;
+    };
+    if key.paths.is_empty() {
+        cx.error(
+            Span::call_site(),
+            "#[idempotent(key = ())] names no field\nhelp: name at least one field of the message",
+        );
+    }
+    let mut any_unstable = false;
+    for path in &key.paths {
+        let unstable = path.members.iter().find_map(|member| match member {
+            Member::Named(ident) => unstable::check(&ident.to_string()),
+            Member::Unnamed(_) => None,
+        });
+        let Some(unstable) = unstable else { continue };
+        any_unstable = true;
+        if allow_unstable.is_none() {
+            cx.error_spanned(
+                &path.lit,
+                format_args!(
+                    "#[idempotent(key = {:?})] names {}, which is not a stable message key\nhelp: {}\nhelp: if this field really is unique per message, say why with `allow_unstable_key = \"...\"`",
+                    path.lit.value(),
+                    unstable.what,
+                    unstable.help
+                ),
+            );
+        }
+    }
+    if let Some(reason) = allow_unstable {
+        if reason.value().trim().is_empty() {
+            cx.error_spanned(
+                &reason,
+                "#[idempotent(allow_unstable_key = \"...\")] needs a written reason\nhelp: say why this field is unique per message and the same on every delivery",
+            );
+        } else if !any_unstable {
+            cx.error_spanned(
+                &reason,
+                "#[idempotent(allow_unstable_key = \"...\")] is not needed: no key field has an unstable name\nhelp: remove it",
+            );
+        }
+    }
+    Some(key.paths)
+}

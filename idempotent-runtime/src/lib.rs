@@ -1,0 +1,29 @@
+//! The runtime behind `#[idempotent]`: the [`Inbox`], its stores, key encoding and errors.
+//!
+//! Depend on the `idempotent-inbox` crate, which re-exports all of this together with the
+//! attribute; this crate is its implementation. See that crate's documentation for the guide.
+#![warn(missing_docs, unreachable_pub)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+mod error;
+mod inbox;
+pub mod key;
+mod markers;
+pub mod store;
+mod table;
+
+#[doc(hidden)]
+pub mod __private;
+
+pub use error::{Error, InboxError, Stage, is_retryable};
+pub use inbox::{Claimed, Handled, Inbox, InboxFor, MAX_CONSUMER_LEN};
+pub use key::{KeyBuilder, KeyError, MessageKey, StableKey, message_key};
+pub use markers::{CorrelationId, DeliveryTag};
+pub use store::{Backend, HandlerConnection};
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub use store::postgres;
+#[cfg(feature = "sqlite")]
+#[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
+pub use store::sqlite;
+pub use table::TableName;

@@ -1,0 +1,123 @@
+//! The inbox on SQLite, the embedded default.
+//!
+//! The handler's transaction starts with `BEGIN IMMEDIATE`, which takes the database's write lock
+//! up front; the claim is then `INSERT OR IGNORE` on the primary key. A concurrent duplicate
+//! therefore waits in `BEGIN IMMEDIATE` (for up to the connection's busy timeout, 5 s by default
+//! in sqlx) until the first transaction ends, and then sees its row or its absence. Writers are
+//! serialized, as SQLite always serializes them; WAL mode (see [`connect_options`]) lets readers
+//! carry on meanwhile.
+//!
+//! ```sql
+//! CREATE TABLE "idempotent_inbox" (
+//!     consumer     TEXT    NOT NULL,
+//!     message_key  BLOB    NOT NULL,
+//!     processed_at INTEGER NOT NULL,  -- Unix time in milliseconds
+//!     PRIMARY KEY (consumer, message_key)
+//! ) WITHOUT ROWID;
+//! CREATE INDEX "idempotent_inbox_processed_at" ON "idempotent_inbox" (processed_at);
+//! ```
+
+use std::str::FromStr;
+
+use sqlx::sqlite::{SqliteConnectOptions, SqliteConnection, SqliteJournalMode};
+use sqlx::{AssertSqlSafe, Sqlite, SqlitePool, Transaction};
+
+use super::{Backend, HandlerConnection, Sealed, Statements};
+use crate::table::TableName;
+
+impl Sealed for Sqlite {}
+
+impl HandlerConnection for SqliteConnection {
+    type Backend = Sqlite;
+}
+
+/// Connection options for an inbox database: the file is created if missing, and the journal is
+/// in WAL mode so that readers do not wait for the serialized writers.
+///
+/// ```
+/// # async fn demo() -> Result<(), sqlx::Error> {
+/// let pool = sqlx::SqlitePool::connect_with(idempotent_runtime::sqlite::connect_options("sqlite://shop.db")?).await?;
+/// # Ok(()) }
+/// ```
+pub fn connect_options(url: &str) -> Result<SqliteConnectOptions, sqlx::Error> {
+    Ok(SqliteConnectOptions::from_str(url)?
+        .create_if_missing(true)
+        .journal_mode(SqliteJournalMode::Wal))
+}
+
+const NOW_MILLIS: &str = "CAST(unixepoch('subsec') * 1000 AS INTEGER)";
+
+impl Backend for Sqlite {
+    fn statements(table: &TableName) -> Statements {
+        let t = table.quoted();
+        Statements {
+            claim: format!(
+                "INSERT OR IGNORE INTO {t} (consumer, message_key, processed_at) VALUES (?1, ?2, {NOW_MILLIS})"
+            )
+            .into(),
+            contains: format!("SELECT 1 FROM {t} WHERE consumer = ?1 AND message_key = ?2").into(),
+        }
+    }
+
+    async fn begin(pool: &SqlitePool) -> Result<Transaction<'static, Sqlite>, sqlx::Error> {
+        pool.begin_with("BEGIN IMMEDIATE").await
+    }
+
+    async fn claim(
+        conn: &mut SqliteConnection,
+        statements: &Statements,
+        consumer: &str,
+        key: &[u8],
+    ) -> Result<bool, sqlx::Error> {
+        let done = sqlx::query(AssertSqlSafe(statements.claim.clone()))
+            .bind(consumer)
+            .bind(key)
+            .execute(conn)
+            .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn contains(
+        pool: &SqlitePool,
+        statements: &Statements,
+        consumer: &str,
+        key: &[u8],
+    ) -> Result<bool, sqlx::Error> {
+        let row = sqlx::query(AssertSqlSafe(statements.contains.clone()))
+            .bind(consumer)
+            .bind(key)
+            .fetch_optional(pool)
+            .await?;
+        Ok(row.is_some())
+    }
+
+    async fn migrate(pool: &SqlitePool, table: &TableName) -> Result<(), sqlx::Error> {
+        let t = table.quoted();
+        let index = table.quoted_index("processed_at");
+        let mut tx = pool.begin_with("BEGIN IMMEDIATE").await?;
+        sqlx::query(AssertSqlSafe(format!(
+            "CREATE TABLE IF NOT EXISTS {t} (
+                consumer     TEXT    NOT NULL,
+                message_key  BLOB    NOT NULL,
+                processed_at INTEGER NOT NULL,
+                PRIMARY KEY (consumer, message_key)
+            ) WITHOUT ROWID"
+        )))
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query(AssertSqlSafe(format!(
+            "CREATE INDEX IF NOT EXISTS {index} ON {t} (processed_at)"
+        )))
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await
+    }
+}
+
+/// SQLite result codes worth a retry: `SQLITE_BUSY` and `SQLITE_LOCKED` with any extended code.
+pub(crate) fn is_retryable_code(code: &str) -> bool {
+    const SQLITE_BUSY: i32 = 5;
+    const SQLITE_LOCKED: i32 = 6;
+    code.parse::<i32>()
+        .is_ok_and(|code| matches!(code & 0xFF, SQLITE_BUSY | SQLITE_LOCKED))
+}

@@ -1,0 +1,129 @@
+//! Idempotent message handlers: the effect happens once per message key, however often the broker
+//! delivers the message.
+//!
+//! ```
+//! use idempotent::{Handled, Inbox, idempotent};
+//!
+//! struct PaymentReceived {
+//!     message_id: uuid::Uuid,
+//!     order_id: i64,
+//! }
+//!
+//! #[idempotent(key = "message_id", consumer = "orders")]
+//! async fn on_payment_received(
+//!     tx: &mut sqlx::SqliteConnection,
+//!     msg: &PaymentReceived,
+//! ) -> Result<(), sqlx::Error> {
+//!     sqlx::query("UPDATE orders SET paid = paid + 1 WHERE id = ?1")
+//!         .bind(msg.order_id)
+//!         .execute(&mut *tx)
+//!         .await?;
+//!     Ok(())
+//! }
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let pool = sqlx::sqlite::SqlitePoolOptions::new()
+//!     .max_connections(1) // one in-memory database; use a file in real life
+//!     .connect("sqlite::memory:")
+//!     .await?;
+//! sqlx::query("CREATE TABLE orders (id INTEGER PRIMARY KEY, paid INTEGER NOT NULL DEFAULT 0)")
+//!     .execute(&pool)
+//!     .await?;
+//! sqlx::query("INSERT INTO orders (id) VALUES (7)").execute(&pool).await?;
+//!
+//! let inbox = Inbox::new(pool.clone());
+//! inbox.migrate().await?;
+//!
+//! let msg = PaymentReceived { message_id: uuid::Uuid::new_v4(), order_id: 7 };
+//! // The macro rewrote the handler to take the inbox instead of a connection.
+//! assert!(matches!(on_payment_received(&inbox, &msg).await?, Handled::Processed(())));
+//! // The broker delivers the same message again: the body does not run.
+//! assert!(matches!(on_payment_received(&inbox, &msg).await?, Handled::Duplicate { .. }));
+//!
+//! let paid: i64 = sqlx::query_scalar("SELECT paid FROM orders WHERE id = 7").fetch_one(&pool).await?;
+//! assert_eq!(paid, 1);
+//! # Ok(()) }
+//! ```
+//!
+//! # What the attribute does
+//! [`#[idempotent(key = "...", consumer = "...")]`](idempotent) rewrites an `async fn` whose first
+//! parameter is the transaction's connection (`&mut sqlx::PgConnection` or
+//! `&mut sqlx::SqliteConnection`) and whose second is the message. The rewritten function takes an
+//! [`Inbox`] instead of the connection, and on each call:
+//!
+//! 1. computes the key from the message's fields (an empty string key is an
+//!    [`InboxError::Key`] error, before any database work);
+//! 2. begins a transaction and claims `(consumer, key)` in the inbox table, as its first
+//!    statement, with the database's own conflict handling: PostgreSQL
+//!    `INSERT … ON CONFLICT DO NOTHING`, SQLite `INSERT OR IGNORE` after `BEGIN IMMEDIATE`. A
+//!    concurrent call with the same key waits there until the first one commits or rolls back;
+//! 3. if the key was already claimed, rolls back and returns [`Handled::Duplicate`]; the body does
+//!    not run;
+//! 4. otherwise runs the body on the same transaction, and commits the body's work together with
+//!    the inbox row when the body returns `Ok(v)`, returning [`Handled::Processed(v)`](Handled);
+//! 5. when the body returns `Err(e)`, rolls back and returns [`Error::Handler(e)`](Error); a panic or
+//!    a dropped future rolls back too. The key stays unclaimed, so a redelivery runs the body again.
+//!
+//! # Keys
+//! - `key = "message_id"`: a field of the message; `key = "meta.message_id"`: a nested field;
+//!   `key = ("order_id", "payment_id")`: a composite business key.
+//! - The key's type must implement [`StableKey`]: UUIDs, strings, integers, byte strings and tuples
+//!   of them; your own newtypes opt in. Floats, `Option`s, timestamps, [`CorrelationId`] and
+//!   [`DeliveryTag`] are compile errors.
+//! - Field names that say the value is not stable per message (correlation and causation ids,
+//!   delivery tags and counts, redelivered flags, lock tokens, receipt handles, broker offsets and
+//!   sequence numbers, receive timestamps) are compile errors, unless
+//!   `allow_unstable_key = "why it is unique per message"` says otherwise.
+//! - Keys are stored as bytes, in an injective encoding; encodings over 64 bytes are stored as
+//!   their SHA-256 digest. See [`key`].
+//!
+//! # Features
+//! - `sqlite` (default): the inbox on SQLite, compiled in.
+//! - `postgres`: the inbox on PostgreSQL.
+#![warn(missing_docs, unreachable_pub)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+/// Makes an async message handler idempotent.
+///
+/// ```text
+/// #[idempotent(key = "message_id", consumer = "orders")]
+/// #[idempotent(key = ("order_id", "payment_id"), consumer = "orders")]
+/// #[idempotent(key = "meta.message_id", consumer = "orders", crate = "my_idempotent")]
+/// #[idempotent(key = "delivery_tag", consumer = "ledger",
+///              allow_unstable_key = "the ledger assigns delivery_tag once per transfer")]
+/// ```
+///
+/// | argument | meaning |
+/// |---|---|
+/// | `key` | the message field (or fields) that identify the message; required |
+/// | `consumer` | the name of this consumer's record, so that two services consuming one event each process it once; required, and must not change when the function is renamed |
+/// | `allow_unstable_key` | a written reason to accept a key whose name looks unstable |
+/// | `crate` | the path of this crate when the dependency is renamed |
+///
+/// The function must be an `async fn` (or method taking `&self`) whose first parameter after `self`
+/// is `&mut sqlx::PgConnection` or `&mut sqlx::SqliteConnection` and whose second is the message,
+/// returning `Result<T, E>` (or an alias of it). It becomes a function that takes
+/// `&InboxFor<Connection>` in place of the connection and returns
+/// `Result<Handled<T>, Error<E>>`; see the [crate docs](crate) for what it does.
+pub use idempotent_macros::idempotent;
+
+pub use idempotent_runtime::{
+    Backend, Claimed, CorrelationId, DeliveryTag, Error, Handled, HandlerConnection, Inbox,
+    InboxError, InboxFor, KeyBuilder, KeyError, MAX_CONSUMER_LEN, MessageKey, Stage, StableKey,
+    TableName, is_retryable, key, message_key,
+};
+
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub use idempotent_runtime::postgres;
+#[cfg(feature = "sqlite")]
+#[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
+pub use idempotent_runtime::sqlite;
+
+/// The sqlx this crate was built against; your handlers' connection types must come from the same
+/// version.
+pub use idempotent_runtime::__private::sqlx;
+
+#[doc(hidden)]
+pub use idempotent_runtime::__private;

@@ -1,0 +1,254 @@
+//! The behaviour every backend must show, as async functions that take a fresh [`Harness`]; each
+//! backend's test file runs all of them (`conformance_tests!`).
+#![allow(dead_code, unreachable_pub)]
+
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use futures::FutureExt;
+use idempotent::{Error, Handled, InboxError, KeyError, message_key};
+use tokio::sync::Notify;
+
+use crate::support::{Behaviour, Consumer, Delivery, Harness};
+
+pub async fn duplicate_delivery_runs_the_body_once(h: impl Harness) {
+    let msg = Delivery::new("paid-1");
+    let first = h.deliver(Consumer::Orders, &msg).await.unwrap();
+    assert_eq!(first, Handled::Processed(()));
+    for _ in 0..3 {
+        let again = h.deliver(Consumer::Orders, &msg).await.unwrap();
+        match again {
+            Handled::Duplicate { consumer, key } => {
+                assert_eq!(consumer, "orders");
+                assert_eq!(key, message_key("paid-1").unwrap());
+            }
+            other => panic!("expected a duplicate, got {other:?}"),
+        }
+    }
+    assert_eq!(h.effects("paid-1").await, 1);
+    assert_eq!(h.inbox_rows().await, 1);
+    assert!(h.inbox().is_processed("orders", "paid-1").await.unwrap());
+}
+
+pub async fn handler_error_leaves_no_inbox_row_and_the_redelivery_runs(h: impl Harness) {
+    let failing = Delivery::new("fails-once").behaving(Behaviour::Fail);
+    let error = h.deliver(Consumer::Orders, &failing).await.unwrap_err();
+    assert!(matches!(error, Error::Handler(crate::support::TestError::Failed)));
+    assert!(!error.is_retryable(), "the handler's own error is the handler's to classify");
+    assert_eq!(h.effects("fails-once").await, 0, "the failed body's effect was committed");
+    assert_eq!(h.inbox_rows().await, 0, "the failed body's key was committed");
+
+    let redelivery = Delivery::new("fails-once");
+    assert!(h.deliver(Consumer::Orders, &redelivery).await.unwrap().is_processed());
+    assert_eq!(h.effects("fails-once").await, 1);
+}
+
+pub async fn handler_that_always_fails_is_never_marked_done(h: impl Harness) {
+    let failing = Delivery::new("poison").behaving(Behaviour::Fail);
+    for _ in 0..5 {
+        let error = h.deliver(Consumer::Orders, &failing).await.unwrap_err();
+        assert!(error.handler_error().is_some());
+    }
+    assert_eq!(h.effects("poison").await, 0);
+    assert!(!h.inbox().is_processed("orders", "poison").await.unwrap());
+}
+
+pub async fn panicking_body_commits_nothing(h: impl Harness) {
+    let panicking = Delivery::new("panics").behaving(Behaviour::Panic);
+    let caught = AssertUnwindSafe(h.deliver(Consumer::Orders, &panicking))
+        .catch_unwind()
+        .await;
+    assert!(caught.is_err(), "the panic did not reach the caller");
+    assert_eq!(h.effects("panics").await, 0);
+    assert_eq!(h.inbox_rows().await, 0);
+
+    let redelivery = Delivery::new("panics");
+    assert!(h.deliver(Consumer::Orders, &redelivery).await.unwrap().is_processed());
+    assert_eq!(h.effects("panics").await, 1);
+}
+
+pub async fn cancelled_call_commits_nothing(h: impl Harness) {
+    let started = Arc::new(Notify::new());
+    let hanging = Delivery::new("cancelled").behaving(Behaviour::Hang(started.clone()));
+    tokio::select! {
+        outcome = h.deliver(Consumer::Orders, &hanging) => panic!("a hanging body returned {outcome:?}"),
+        () = started.notified() => {} // the body has written its effect; drop the call here
+    }
+    assert_eq!(h.effects("cancelled").await, 0);
+    assert!(!h.inbox().is_processed("orders", "cancelled").await.unwrap());
+
+    let redelivery = Delivery::new("cancelled");
+    assert!(h.deliver(Consumer::Orders, &redelivery).await.unwrap().is_processed());
+    assert_eq!(h.effects("cancelled").await, 1);
+}
+
+pub async fn concurrent_deliveries_have_one_effect(h: impl Harness) {
+    let msg = Delivery::new("stampede");
+    let outcomes =
+        futures::future::join_all((0..32).map(|_| h.deliver(Consumer::Orders, &msg))).await;
+    let processed = outcomes
+        .iter()
+        .filter(|o| matches!(o, Ok(Handled::Processed(()))))
+        .count();
+    let duplicates = outcomes
+        .iter()
+        .filter(|o| matches!(o, Ok(Handled::Duplicate { .. })))
+        .count();
+    let errors: Vec<_> = outcomes.iter().filter_map(|o| o.as_ref().err()).collect();
+    assert!(errors.is_empty(), "deliveries failed: {errors:?}");
+    assert_eq!((processed, duplicates), (1, 31));
+    assert_eq!(h.effects("stampede").await, 1);
+    assert_eq!(h.inbox_rows().await, 1);
+}
+
+/// Holds an uncommitted claim on the message's key, delivers the message meanwhile, checks that the
+/// delivery waits, then commits or rolls back the held claim and returns the delivery's outcome.
+async fn deliver_while_a_claim_is_held<H: Harness>(
+    h: &H,
+    msg: &Delivery,
+    commit_the_held_claim: bool,
+) -> Handled<()> {
+    let key = message_key(&msg.message_id).unwrap();
+    let held = h
+        .inbox()
+        .claim("orders", &key)
+        .await
+        .unwrap()
+        .expect("a fresh key is claimed");
+    let finished = AtomicBool::new(false);
+    let (outcome, ()) = tokio::join!(
+        async {
+            let outcome = h.deliver(Consumer::Orders, msg).await;
+            finished.store(true, Ordering::SeqCst);
+            outcome
+        },
+        async {
+            h.wait_until_a_claim_blocks().await;
+            assert!(
+                !finished.load(Ordering::SeqCst),
+                "the delivery did not wait for the uncommitted claim"
+            );
+            if commit_the_held_claim {
+                held.commit().await.unwrap();
+            } else {
+                held.rollback().await;
+            }
+        }
+    );
+    outcome.unwrap()
+}
+
+pub async fn claim_waits_for_an_uncommitted_claim_then_sees_its_commit(h: impl Harness) {
+    let msg = Delivery::new("held-then-committed");
+    let outcome = deliver_while_a_claim_is_held(&h, &msg, true).await;
+    assert!(outcome.is_duplicate(), "got {outcome:?}");
+    assert_eq!(h.effects("held-then-committed").await, 0);
+    assert_eq!(h.inbox_rows().await, 1);
+}
+
+pub async fn claim_waits_for_an_uncommitted_claim_then_runs_after_its_rollback(h: impl Harness) {
+    let msg = Delivery::new("held-then-rolled-back");
+    let outcome = deliver_while_a_claim_is_held(&h, &msg, false).await;
+    assert!(outcome.is_processed(), "got {outcome:?}");
+    assert_eq!(h.effects("held-then-rolled-back").await, 1);
+    assert_eq!(h.inbox_rows().await, 1);
+}
+
+pub async fn two_consumers_each_process_the_message_once(h: impl Harness) {
+    let msg = Delivery::new("shared-event");
+    for attempt in 0..2 {
+        let orders = h.deliver(Consumer::Orders, &msg).await.unwrap();
+        let billing = h.deliver(Consumer::Billing, &msg).await.unwrap();
+        assert_eq!(orders.is_processed(), attempt == 0);
+        assert_eq!(billing.is_processed(), attempt == 0);
+    }
+    assert_eq!(h.effects_of("orders", "shared-event").await, 1);
+    assert_eq!(h.effects_of("billing", "shared-event").await, 1);
+    assert_eq!(h.inbox_rows().await, 2);
+}
+
+pub async fn empty_key_is_refused_before_any_effect(h: impl Harness) {
+    let empty = Delivery::new("empty-key").with_id("");
+    let error = h.deliver(Consumer::Orders, &empty).await.unwrap_err();
+    assert!(
+        matches!(
+            error,
+            Error::Inbox(InboxError::Key(KeyError::Empty { component: 0 }))
+        ),
+        "got {error:?}"
+    );
+    assert!(!error.is_retryable());
+    let empty_bytes = Delivery::new("empty-raw-key").with_raw_id(Vec::new());
+    assert!(matches!(
+        h.deliver(Consumer::OrdersByRawId, &empty_bytes).await,
+        Err(Error::Inbox(InboxError::Key(_)))
+    ));
+    assert_eq!(h.effects("empty-key").await + h.effects("empty-raw-key").await, 0);
+    assert_eq!(h.inbox_rows().await, 0);
+}
+
+pub async fn odd_keys_are_handled_once_each(h: impl Harness) {
+    let huge = "k".repeat(1 << 20);
+    let cases = [
+        Delivery::new("huge-key").with_id(huge.clone()),
+        Delivery::new("huge-key-plus-one").with_id(huge + "k"),
+        Delivery::new("nul-a").with_id("a\0b"),
+        Delivery::new("nul-b").with_id("a\0c"),
+        Delivery::new("nul-only").with_id("\0"),
+        Delivery::new("non-utf8").with_raw_id(vec![0xff, 0xfe, 0x00, 0xc3]),
+        Delivery::new("non-utf8-other").with_raw_id(vec![0xff, 0xfe, 0x00, 0xc4]),
+    ];
+    for msg in &cases {
+        let consumer = if msg.label.starts_with("non-utf8") {
+            Consumer::OrdersByRawId
+        } else {
+            Consumer::Orders
+        };
+        for attempt in 0..2 {
+            let outcome = h.deliver(consumer, msg).await.unwrap();
+            assert_eq!(outcome.is_processed(), attempt == 0, "{}: {outcome:?}", msg.label);
+        }
+        assert_eq!(h.effects(&msg.label).await, 1, "{}", msg.label);
+    }
+    assert_eq!(h.inbox_rows().await, cases.len() as i64);
+}
+
+pub async fn migrate_is_idempotent_and_concurrent_safe(h: impl Harness) {
+    let inbox = h.inbox().clone();
+    let results = futures::future::join_all((0..4).map(|_| inbox.migrate())).await;
+    assert!(results.iter().all(Result::is_ok), "{results:?}");
+    let outcome = h
+        .deliver(Consumer::Orders, &Delivery::new("after-migrate"))
+        .await
+        .unwrap();
+    assert!(outcome.is_processed());
+    assert_eq!(h.inbox_rows().await, 1);
+}
+
+/// Declares one `#[tokio::test]` per conformance case, each with a fresh harness from `$new`.
+macro_rules! conformance_tests {
+    ($new:expr) => {
+        conformance_tests!(@cases $new;
+            duplicate_delivery_runs_the_body_once
+            handler_error_leaves_no_inbox_row_and_the_redelivery_runs
+            handler_that_always_fails_is_never_marked_done
+            panicking_body_commits_nothing
+            cancelled_call_commits_nothing
+            concurrent_deliveries_have_one_effect
+            claim_waits_for_an_uncommitted_claim_then_sees_its_commit
+            claim_waits_for_an_uncommitted_claim_then_runs_after_its_rollback
+            two_consumers_each_process_the_message_once
+            empty_key_is_refused_before_any_effect
+            odd_keys_are_handled_once_each
+            migrate_is_idempotent_and_concurrent_safe
+        );
+    };
+    (@cases $new:expr; $($case:ident)*) => {$(
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $case() {
+            crate::conformance::$case($new).await;
+        }
+    )*};
+}
+pub(crate) use conformance_tests;

@@ -1,0 +1,164 @@
+//! What the behaviour tests share: a test message, the handlers under test (written once, for each
+//! connection type), and a harness per backend that owns a fresh database.
+#![allow(dead_code, unreachable_pub)]
+
+use std::future::Future;
+use std::sync::Arc;
+
+use idempotent::{Backend, Error, Handled, Inbox};
+use tokio::sync::Notify;
+
+#[cfg(feature = "postgres")]
+pub mod postgres;
+#[cfg(feature = "sqlite")]
+pub mod sqlite;
+
+/// A message as a broker would deliver it, with what its handler should do this time.
+#[derive(Clone)]
+pub struct Delivery {
+    /// The key of the `orders` and `billing` handlers.
+    pub message_id: String,
+    /// The key of the `orders_by_raw_id` handler.
+    pub raw_id: Vec<u8>,
+    /// What the handler writes to the `effects` table, to count effects by.
+    pub label: String,
+    pub behaviour: Behaviour,
+}
+
+#[derive(Clone)]
+pub enum Behaviour {
+    Succeed,
+    Fail,
+    Panic,
+    /// Writes its effect, signals, then never finishes (to be cancelled).
+    Hang(Arc<Notify>),
+}
+
+impl Delivery {
+    pub fn new(label: &str) -> Self {
+        Self {
+            message_id: label.to_owned(),
+            raw_id: label.as_bytes().to_vec(),
+            label: label.to_owned(),
+            behaviour: Behaviour::Succeed,
+        }
+    }
+
+    pub fn with_id(mut self, message_id: impl Into<String>) -> Self {
+        self.message_id = message_id.into();
+        self
+    }
+
+    pub fn with_raw_id(mut self, raw_id: Vec<u8>) -> Self {
+        self.raw_id = raw_id;
+        self
+    }
+
+    pub fn behaving(mut self, behaviour: Behaviour) -> Self {
+        self.behaviour = behaviour;
+        self
+    }
+}
+
+/// The handler's own error.
+#[derive(Debug, thiserror::Error)]
+pub enum TestError {
+    #[error("the handler failed on purpose")]
+    Failed,
+    #[error("database error in the handler")]
+    Db(#[from] sqlx::Error),
+}
+
+/// Which handler to deliver to.
+#[derive(Clone, Copy, Debug)]
+pub enum Consumer {
+    /// `consumer = "orders"`, keyed on `message_id`.
+    Orders,
+    /// `consumer = "billing"`, keyed on `message_id`.
+    Billing,
+    /// `consumer = "orders"`, keyed on `raw_id` (bytes).
+    OrdersByRawId,
+}
+
+pub type Outcome = Result<Handled<()>, Error<TestError>>;
+
+/// One backend with a fresh database: the inbox, the handlers, and ways to look at the effects.
+pub trait Harness {
+    type Db: Backend;
+
+    /// The inbox the handlers run on (already migrated).
+    fn inbox(&self) -> &Inbox<Self::Db>;
+
+    /// Calls the handler of `consumer` with `msg`.
+    fn deliver(&self, consumer: Consumer, msg: &Delivery) -> impl Future<Output = Outcome>;
+
+    /// How many times any handler's effect for `label` was committed.
+    fn effects(&self, label: &str) -> impl Future<Output = i64>;
+
+    /// How many times `consumer`'s effect for `label` was committed.
+    fn effects_of(&self, consumer: &str, label: &str) -> impl Future<Output = i64>;
+
+    /// How many rows the inbox table holds.
+    fn inbox_rows(&self) -> impl Future<Output = i64>;
+
+    /// Returns once another connection's claim is waiting on a lock (where the database shows it;
+    /// otherwise after a pause long enough for a claim that does not wait to have finished).
+    fn wait_until_a_claim_blocks(&self) -> impl Future<Output = ()>;
+}
+
+/// The effect every handler commits, and what it then does.
+macro_rules! effect_handlers {
+    ($conn:ty) => {
+        use idempotent::idempotent;
+
+        use crate::support::{Behaviour, Delivery, TestError};
+
+        async fn effect(tx: &mut $conn, consumer: &str, msg: &Delivery) -> Result<(), TestError> {
+            sqlx::query("INSERT INTO effects (consumer, label) VALUES ($1, $2)")
+                .bind(consumer)
+                .bind(&msg.label)
+                .execute(&mut *tx)
+                .await?;
+            match &msg.behaviour {
+                Behaviour::Succeed => Ok(()),
+                Behaviour::Fail => Err(TestError::Failed),
+                Behaviour::Panic => panic!("the handler panicked on purpose"),
+                Behaviour::Hang(started) => {
+                    started.notify_one();
+                    std::future::pending().await
+                }
+            }
+        }
+
+        #[idempotent(key = "message_id", consumer = "orders")]
+        pub async fn orders(tx: &mut $conn, msg: &Delivery) -> Result<(), TestError> {
+            effect(tx, "orders", msg).await
+        }
+
+        #[idempotent(key = "message_id", consumer = "billing")]
+        pub async fn billing(tx: &mut $conn, msg: &Delivery) -> Result<(), TestError> {
+            effect(tx, "billing", msg).await
+        }
+
+        #[idempotent(key = "raw_id", consumer = "orders")]
+        pub async fn orders_by_raw_id(tx: &mut $conn, msg: &Delivery) -> Result<(), TestError> {
+            effect(tx, "orders", msg).await
+        }
+
+        pub(crate) async fn deliver(
+            inbox: &idempotent::InboxFor<$conn>,
+            consumer: crate::support::Consumer,
+            msg: &Delivery,
+        ) -> crate::support::Outcome {
+            match consumer {
+                crate::support::Consumer::Orders => orders(inbox, msg).await,
+                crate::support::Consumer::Billing => billing(inbox, msg).await,
+                crate::support::Consumer::OrdersByRawId => orders_by_raw_id(inbox, msg).await,
+            }
+        }
+    };
+}
+pub(crate) use effect_handlers;
+
+/// The effects table, the same on every backend.
+pub const CREATE_EFFECTS: &str = "CREATE TABLE effects (consumer TEXT NOT NULL, label TEXT NOT NULL)";

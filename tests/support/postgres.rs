@@ -1,0 +1,113 @@
+//! A fresh schema per test in the PostgreSQL that `IDEMPOTENT_PG_URL` points to.
+
+use std::time::Duration;
+
+use idempotent::Inbox;
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use sqlx::{ConnectOptions, Postgres};
+
+use super::{CREATE_EFFECTS, Consumer, Delivery, Harness, Outcome};
+
+mod handlers {
+    crate::support::effect_handlers!(sqlx::PgConnection);
+}
+
+/// The server the tests run against. `scripts/test` starts one; CI does too. Not set means not
+/// tested, which must never pass silently.
+pub fn url() -> String {
+    std::env::var("IDEMPOTENT_PG_URL").expect(
+        "IDEMPOTENT_PG_URL is not set: run the tests with scripts/test, which starts PostgreSQL",
+    )
+}
+
+pub struct PgHarness {
+    pub inbox: Inbox<Postgres>,
+    pub pool: PgPool,
+    pub schema: String,
+}
+
+impl PgHarness {
+    pub async fn new() -> Self {
+        let options: PgConnectOptions = url().parse().expect("IDEMPOTENT_PG_URL");
+        let schema = format!("t_{}", uuid::Uuid::new_v4().simple());
+        let mut admin = options.connect().await.expect("connect to PostgreSQL");
+        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
+            .execute(&mut admin)
+            .await
+            .unwrap();
+        let pool = PgPoolOptions::new()
+            .max_connections(40)
+            .connect_with(
+                options
+                    .options([("search_path", schema.as_str())])
+                    .application_name(&schema),
+            )
+            .await
+            .expect("connect to PostgreSQL");
+        sqlx::query(CREATE_EFFECTS).execute(&pool).await.unwrap();
+        let inbox = Inbox::new(pool.clone());
+        inbox.migrate().await.expect("migrate");
+        Self {
+            inbox,
+            pool,
+            schema,
+        }
+    }
+}
+
+impl Harness for PgHarness {
+    type Db = Postgres;
+
+    fn inbox(&self) -> &Inbox<Postgres> {
+        &self.inbox
+    }
+
+    async fn deliver(&self, consumer: Consumer, msg: &Delivery) -> Outcome {
+        handlers::deliver(&self.inbox, consumer, msg).await
+    }
+
+    async fn effects(&self, label: &str) -> i64 {
+        sqlx::query_scalar("SELECT COUNT(*) FROM effects WHERE label = $1")
+            .bind(label)
+            .fetch_one(&self.pool)
+            .await
+            .unwrap()
+    }
+
+    async fn effects_of(&self, consumer: &str, label: &str) -> i64 {
+        sqlx::query_scalar("SELECT COUNT(*) FROM effects WHERE consumer = $1 AND label = $2")
+            .bind(consumer)
+            .bind(label)
+            .fetch_one(&self.pool)
+            .await
+            .unwrap()
+    }
+
+    async fn inbox_rows(&self) -> i64 {
+        sqlx::query_scalar("SELECT COUNT(*) FROM idempotent_inbox")
+            .fetch_one(&self.pool)
+            .await
+            .unwrap()
+    }
+
+    async fn wait_until_a_claim_blocks(&self) {
+        // A claim waiting on another transaction's uncommitted row shows as an ungranted lock
+        // requested by one of this test's sessions (named after its schema).
+        for _ in 0..500 {
+            let waiting: i64 = sqlx::query_scalar(
+                "SELECT COUNT(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+                 WHERE NOT l.granted AND a.application_name = $1
+                   AND a.query LIKE 'INSERT INTO \"idempotent_inbox\"%'",
+            )
+            .bind(&self.schema)
+            .fetch_one(&self.pool)
+            .await
+            .unwrap();
+            if waiting > 0 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        panic!("no claim ever waited on the uncommitted one");
+    }
+}
