@@ -110,7 +110,7 @@ pub use idempotent_macros::idempotent;
 
 pub use idempotent_runtime::{
     Backend, Claimed, CorrelationId, DeliveryTag, Error, Handled, HandlerConnection, Inbox,
-    InboxError, InboxFor, KeyBuilder, KeyError, MAX_CONSUMER_LEN, MessageKey, Stage, StableKey,
+    InboxError, InboxFor, KeyBuilder, KeyError, MAX_CONSUMER_LEN, MessageKey, StableKey, Stage,
     TableName, is_retryable, key, message_key,
 };
 

@@ -74,8 +74,12 @@ fn rewrite(plan: &Plan, mut function: ItemFn) -> TokenStream {
     };
 
     let pushes = key.iter().map(|path| {
+        // The whole field access carries the literal's span, so that a missing field or a key type
+        // that is not a `StableKey` is reported on the key the user wrote.
+        let span = path.lit.span();
+        let message = syn::Ident::new(&message.to_string(), span);
         let members = &path.members;
-        quote_spanned! {path.lit.span()=>
+        quote_spanned! {span=>
             #builder.push(&#message #(.#members)*);
         }
     });

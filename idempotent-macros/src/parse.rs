@@ -150,6 +150,13 @@ fn string(cx: &mut Ctxt, value: &Expr, name: &str) -> Option<LitStr> {
 
 fn key(cx: &mut Ctxt, value: &Expr) -> Option<Key> {
     let lits: Vec<&Expr> = match value {
+        Expr::Tuple(tuple) if tuple.elems.is_empty() => {
+            cx.error_spanned(
+                tuple,
+                "#[idempotent(key = ())] names no field\nhelp: name at least one field of the message",
+            );
+            return None;
+        }
         Expr::Tuple(tuple) => tuple.elems.iter().collect(),
         Expr::Paren(paren) => vec![&*paren.expr],
         other => vec![other],
@@ -233,7 +240,7 @@ pub(crate) enum Output {
     /// Nothing (`()`).
     Missing(Span),
     /// `Result<T, E>` spelt out.
-    Result { ok: Type, err: Type },
+    Result { ok: Box<Type>, err: Box<Type> },
     /// Some other path, possibly an alias of `Result`; the compiler checks it.
     Path(Type),
     /// Any other type: not a `Result`.
@@ -285,22 +292,22 @@ fn output(ty: &Type) -> Output {
     let Some(last) = path.path.segments.last() else {
         return Output::NotResult(ty.clone());
     };
-    if last.ident == "Result" {
-        if let syn::PathArguments::AngleBracketed(args) = &last.arguments {
-            let types: Vec<&Type> = args
-                .args
-                .iter()
-                .filter_map(|arg| match arg {
-                    syn::GenericArgument::Type(ty) => Some(ty),
-                    _ => None,
-                })
-                .collect();
-            if let [ok, err] = types[..] {
-                return Output::Result {
-                    ok: ok.clone(),
-                    err: err.clone(),
-                };
-            }
+    if last.ident == "Result"
+        && let syn::PathArguments::AngleBracketed(args) = &last.arguments
+    {
+        let types: Vec<&Type> = args
+            .args
+            .iter()
+            .filter_map(|arg| match arg {
+                syn::GenericArgument::Type(ty) => Some(ty),
+                _ => None,
+            })
+            .collect();
+        if let [ok, err] = types[..] {
+            return Output::Result {
+                ok: Box::new(ok.clone()),
+                err: Box::new(err.clone()),
+            };
         }
     }
     Output::Path(ty.clone())

@@ -18,27 +18,153 @@ const POSITION: &str = "the broker assigns it per delivery or per partition, so 
 const RECEIVED: &str = "each delivery is received at its own time, so a redelivery would run the handler again; key on the message id the producer assigns";
 
 const PATTERNS: &[(&[&str], Unstable)] = &[
-    (&["correlation"], Unstable { what: "a correlation id", help: SHARED }),
-    (&["causation"], Unstable { what: "a causation id", help: SHARED }),
-    (&["conversation", "id"], Unstable { what: "a conversation id", help: SHARED }),
-    (&["delivery", "tag"], Unstable { what: "a delivery tag", help: PER_DELIVERY }),
-    (&["delivery", "count"], Unstable { what: "a delivery count", help: PER_DELIVERY }),
-    (&["delivery", "attempt"], Unstable { what: "a delivery attempt", help: PER_DELIVERY }),
-    (&["redelivered"], Unstable { what: "a redelivered flag", help: PER_DELIVERY }),
-    (&["redelivery"], Unstable { what: "a redelivery count", help: PER_DELIVERY }),
-    (&["receive", "count"], Unstable { what: "a receive count", help: PER_DELIVERY }),
-    (&["dequeue", "count"], Unstable { what: "a dequeue count", help: PER_DELIVERY }),
-    (&["lock", "token"], Unstable { what: "a lock token", help: PER_DELIVERY }),
-    (&["receipt", "handle"], Unstable { what: "a receipt handle", help: PER_DELIVERY }),
-    (&["offset"], Unstable { what: "a broker offset", help: POSITION }),
-    (&["sequence"], Unstable { what: "a sequence number", help: POSITION }),
-    (&["seq"], Unstable { what: "a sequence number", help: POSITION }),
-    (&["received"], Unstable { what: "a receive timestamp", help: RECEIVED }),
-    (&["receive", "time"], Unstable { what: "a receive timestamp", help: RECEIVED }),
-    (&["receive", "timestamp"], Unstable { what: "a receive timestamp", help: RECEIVED }),
-    (&["enqueued"], Unstable { what: "an enqueue timestamp", help: RECEIVED }),
-    (&["delivered", "at"], Unstable { what: "a delivery timestamp", help: RECEIVED }),
-    (&["delivery", "time"], Unstable { what: "a delivery timestamp", help: RECEIVED }),
+    (
+        &["correlation"],
+        Unstable {
+            what: "a correlation id",
+            help: SHARED,
+        },
+    ),
+    (
+        &["causation"],
+        Unstable {
+            what: "a causation id",
+            help: SHARED,
+        },
+    ),
+    (
+        &["conversation", "id"],
+        Unstable {
+            what: "a conversation id",
+            help: SHARED,
+        },
+    ),
+    (
+        &["delivery", "tag"],
+        Unstable {
+            what: "a delivery tag",
+            help: PER_DELIVERY,
+        },
+    ),
+    (
+        &["delivery", "count"],
+        Unstable {
+            what: "a delivery count",
+            help: PER_DELIVERY,
+        },
+    ),
+    (
+        &["delivery", "attempt"],
+        Unstable {
+            what: "a delivery attempt",
+            help: PER_DELIVERY,
+        },
+    ),
+    (
+        &["redelivered"],
+        Unstable {
+            what: "a redelivered flag",
+            help: PER_DELIVERY,
+        },
+    ),
+    (
+        &["redelivery"],
+        Unstable {
+            what: "a redelivery count",
+            help: PER_DELIVERY,
+        },
+    ),
+    (
+        &["receive", "count"],
+        Unstable {
+            what: "a receive count",
+            help: PER_DELIVERY,
+        },
+    ),
+    (
+        &["dequeue", "count"],
+        Unstable {
+            what: "a dequeue count",
+            help: PER_DELIVERY,
+        },
+    ),
+    (
+        &["lock", "token"],
+        Unstable {
+            what: "a lock token",
+            help: PER_DELIVERY,
+        },
+    ),
+    (
+        &["receipt", "handle"],
+        Unstable {
+            what: "a receipt handle",
+            help: PER_DELIVERY,
+        },
+    ),
+    (
+        &["offset"],
+        Unstable {
+            what: "a broker offset",
+            help: POSITION,
+        },
+    ),
+    (
+        &["sequence"],
+        Unstable {
+            what: "a sequence number",
+            help: POSITION,
+        },
+    ),
+    (
+        &["seq"],
+        Unstable {
+            what: "a sequence number",
+            help: POSITION,
+        },
+    ),
+    (
+        &["received"],
+        Unstable {
+            what: "a receive timestamp",
+            help: RECEIVED,
+        },
+    ),
+    (
+        &["receive", "time"],
+        Unstable {
+            what: "a receive timestamp",
+            help: RECEIVED,
+        },
+    ),
+    (
+        &["receive", "timestamp"],
+        Unstable {
+            what: "a receive timestamp",
+            help: RECEIVED,
+        },
+    ),
+    (
+        &["enqueued"],
+        Unstable {
+            what: "an enqueue timestamp",
+            help: RECEIVED,
+        },
+    ),
+    (
+        &["delivered", "at"],
+        Unstable {
+            what: "a delivery timestamp",
+            help: RECEIVED,
+        },
+    ),
+    (
+        &["delivery", "time"],
+        Unstable {
+            what: "a delivery timestamp",
+            help: RECEIVED,
+        },
+    ),
 ];
 
 /// What is wrong with keying on a field called `name`, if anything.
@@ -68,7 +194,8 @@ fn words(name: &str) -> Vec<String> {
         let next = chars.get(i + 1);
         let starts_word = c.is_uppercase()
             && (prev.is_some_and(|p| p.is_lowercase() || p.is_ascii_digit())
-                || (prev.is_some_and(char::is_uppercase) && next.is_some_and(|n| n.is_lowercase())));
+                || (prev.is_some_and(char::is_uppercase)
+                    && next.is_some_and(|n| n.is_lowercase())));
         if starts_word && !word.is_empty() {
             words.push(std::mem::take(&mut word));
         }
@@ -112,7 +239,14 @@ mod tests {
         ] {
             assert!(check(name).is_some(), "{name} passed");
         }
-        for name in ["message_id", "MessageId", "order_id", "payment_id", "idempotency_key", "tag"] {
+        for name in [
+            "message_id",
+            "MessageId",
+            "order_id",
+            "payment_id",
+            "idempotency_key",
+            "tag",
+        ] {
             assert!(check(name).is_none(), "{name} was refused");
         }
     }

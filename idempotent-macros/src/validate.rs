@@ -57,7 +57,7 @@ pub(crate) fn plan(
         )
     });
     let output = match parsed.output {
-        Output::Result { ok, err } => Some((ok, err)),
+        Output::Result { ok, err } => Some((*ok, *err)),
         Output::Path(ty) => {
             let ok = syn::parse_quote!(<#ty as #krate::__private::HandlerResult>::Ok);
             let err = syn::parse_quote!(<#ty as #krate::__private::HandlerResult>::Err);
@@ -108,7 +108,10 @@ fn consumer(cx: &mut Ctxt, consumer: Option<LitStr>) -> Option<LitStr> {
     };
     let value = consumer.value();
     if value.trim().is_empty() {
-        cx.error_spanned(&consumer, "#[idempotent(consumer = \"...\")] must not be empty");
+        cx.error_spanned(
+            &consumer,
+            "#[idempotent(consumer = \"...\")] must not be empty",
+        );
     } else if value.len() > MAX_CONSUMER_LEN {
         cx.error_spanned(
             &consumer,
@@ -130,12 +133,6 @@ fn key(
         );
         return None;
     };
-    if key.paths.is_empty() {
-        cx.error(
-            Span::call_site(),
-            "#[idempotent(key = ())] names no field\nhelp: name at least one field of the message",
-        );
-    }
     let mut any_unstable = false;
     for path in &key.paths {
         let unstable = path.members.iter().find_map(|member| match member {

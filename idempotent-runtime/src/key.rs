@@ -345,13 +345,19 @@ mod tests {
         let ab_c = message_key(&("ab", "c")).unwrap();
         let a_bc = message_key(&("a", "bc")).unwrap();
         assert_ne!(ab_c, a_bc);
-        assert_ne!(message_key("a").unwrap(), message_key(b"a".as_slice()).unwrap());
+        assert_ne!(
+            message_key("a").unwrap(),
+            message_key(b"a".as_slice()).unwrap()
+        );
     }
 
     #[test]
     fn integers_are_widened() {
         assert_eq!(message_key(&5u8).unwrap(), message_key(&5i64).unwrap());
-        assert_ne!(message_key(&-1i8).unwrap(), message_key(&u128::MAX).unwrap());
+        assert_ne!(
+            message_key(&-1i8).unwrap(),
+            message_key(&u128::MAX).unwrap()
+        );
     }
 
     #[test]

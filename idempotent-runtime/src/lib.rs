@@ -19,11 +19,11 @@ pub use error::{Error, InboxError, Stage, is_retryable};
 pub use inbox::{Claimed, Handled, Inbox, InboxFor, MAX_CONSUMER_LEN};
 pub use key::{KeyBuilder, KeyError, MessageKey, StableKey, message_key};
 pub use markers::{CorrelationId, DeliveryTag};
-pub use store::{Backend, HandlerConnection};
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub use store::postgres;
 #[cfg(feature = "sqlite")]
 #[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
 pub use store::sqlite;
+pub use store::{Backend, HandlerConnection};
 pub use table::TableName;

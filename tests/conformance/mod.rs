@@ -34,13 +34,32 @@ pub async fn duplicate_delivery_runs_the_body_once(h: impl Harness) {
 pub async fn handler_error_leaves_no_inbox_row_and_the_redelivery_runs(h: impl Harness) {
     let failing = Delivery::new("fails-once").behaving(Behaviour::Fail);
     let error = h.deliver(Consumer::Orders, &failing).await.unwrap_err();
-    assert!(matches!(error, Error::Handler(crate::support::TestError::Failed)));
-    assert!(!error.is_retryable(), "the handler's own error is the handler's to classify");
-    assert_eq!(h.effects("fails-once").await, 0, "the failed body's effect was committed");
-    assert_eq!(h.inbox_rows().await, 0, "the failed body's key was committed");
+    assert!(matches!(
+        error,
+        Error::Handler(crate::support::TestError::Failed)
+    ));
+    assert!(
+        !error.is_retryable(),
+        "the handler's own error is the handler's to classify"
+    );
+    assert_eq!(
+        h.effects("fails-once").await,
+        0,
+        "the failed body's effect was committed"
+    );
+    assert_eq!(
+        h.inbox_rows().await,
+        0,
+        "the failed body's key was committed"
+    );
 
     let redelivery = Delivery::new("fails-once");
-    assert!(h.deliver(Consumer::Orders, &redelivery).await.unwrap().is_processed());
+    assert!(
+        h.deliver(Consumer::Orders, &redelivery)
+            .await
+            .unwrap()
+            .is_processed()
+    );
     assert_eq!(h.effects("fails-once").await, 1);
 }
 
@@ -64,7 +83,12 @@ pub async fn panicking_body_commits_nothing(h: impl Harness) {
     assert_eq!(h.inbox_rows().await, 0);
 
     let redelivery = Delivery::new("panics");
-    assert!(h.deliver(Consumer::Orders, &redelivery).await.unwrap().is_processed());
+    assert!(
+        h.deliver(Consumer::Orders, &redelivery)
+            .await
+            .unwrap()
+            .is_processed()
+    );
     assert_eq!(h.effects("panics").await, 1);
 }
 
@@ -79,7 +103,12 @@ pub async fn cancelled_call_commits_nothing(h: impl Harness) {
     assert!(!h.inbox().is_processed("orders", "cancelled").await.unwrap());
 
     let redelivery = Delivery::new("cancelled");
-    assert!(h.deliver(Consumer::Orders, &redelivery).await.unwrap().is_processed());
+    assert!(
+        h.deliver(Consumer::Orders, &redelivery)
+            .await
+            .unwrap()
+            .is_processed()
+    );
     assert_eq!(h.effects("cancelled").await, 1);
 }
 
@@ -184,7 +213,10 @@ pub async fn empty_key_is_refused_before_any_effect(h: impl Harness) {
         h.deliver(Consumer::OrdersByRawId, &empty_bytes).await,
         Err(Error::Inbox(InboxError::Key(_)))
     ));
-    assert_eq!(h.effects("empty-key").await + h.effects("empty-raw-key").await, 0);
+    assert_eq!(
+        h.effects("empty-key").await + h.effects("empty-raw-key").await,
+        0
+    );
     assert_eq!(h.inbox_rows().await, 0);
 }
 
@@ -207,7 +239,12 @@ pub async fn odd_keys_are_handled_once_each(h: impl Harness) {
         };
         for attempt in 0..2 {
             let outcome = h.deliver(consumer, msg).await.unwrap();
-            assert_eq!(outcome.is_processed(), attempt == 0, "{}: {outcome:?}", msg.label);
+            assert_eq!(
+                outcome.is_processed(),
+                attempt == 0,
+                "{}: {outcome:?}",
+                msg.label
+            );
         }
         assert_eq!(h.effects(&msg.label).await, 1, "{}", msg.label);
     }

@@ -161,4 +161,5 @@ macro_rules! effect_handlers {
 pub(crate) use effect_handlers;
 
 /// The effects table, the same on every backend.
-pub const CREATE_EFFECTS: &str = "CREATE TABLE effects (consumer TEXT NOT NULL, label TEXT NOT NULL)";
+pub const CREATE_EFFECTS: &str =
+    "CREATE TABLE effects (consumer TEXT NOT NULL, label TEXT NOT NULL)";

@@ -3,8 +3,8 @@
 use std::time::Duration;
 
 use idempotent::Inbox;
-use sqlx::sqlite::{SqlitePool, SqlitePoolOptions};
 use sqlx::Sqlite;
+use sqlx::sqlite::{SqlitePool, SqlitePoolOptions};
 
 use super::{CREATE_EFFECTS, Consumer, Delivery, Harness, Outcome};
 
@@ -78,4 +78,3 @@ impl Harness for SqliteHarness {
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
 }
-

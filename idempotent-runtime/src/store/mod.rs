@@ -91,8 +91,13 @@ pub(crate) fn is_retryable_database_error(error: &dyn sqlx::error::DatabaseError
         return postgres::is_retryable_code(error.code());
     }
     #[cfg(feature = "sqlite")]
-    if error.try_downcast_ref::<sqlx::sqlite::SqliteError>().is_some() {
-        return error.code().is_some_and(|code| sqlite::is_retryable_code(&code));
+    if error
+        .try_downcast_ref::<sqlx::sqlite::SqliteError>()
+        .is_some()
+    {
+        return error
+            .code()
+            .is_some_and(|code| sqlite::is_retryable_code(&code));
     }
     let _ = error;
     false

@@ -1,0 +1,14 @@
+use idempotent::idempotent;
+
+struct Msg {
+    #[allow(non_snake_case)]
+    correlationId: String,
+}
+
+#[idempotent(key = "correlationId", consumer = "orders")]
+async fn handle(tx: &mut sqlx::SqliteConnection, msg: &Msg) -> Result<(), sqlx::Error> {
+    let _ = (tx, msg);
+    Ok(())
+}
+
+fn main() {}

@@ -1,0 +1,13 @@
+use idempotent::idempotent;
+
+struct Msg {
+    correlation_id: String,
+}
+
+#[idempotent(key = "correlation_id", consumer = "orders")]
+async fn handle(tx: &mut sqlx::SqliteConnection, msg: &Msg) -> Result<(), sqlx::Error> {
+    let _ = (tx, msg);
+    Ok(())
+}
+
+fn main() {}

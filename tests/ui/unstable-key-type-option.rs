@@ -1,0 +1,13 @@
+use idempotent::idempotent;
+
+struct Msg {
+    message_id: Option<uuid::Uuid>,
+}
+
+#[idempotent(key = "message_id", consumer = "orders")]
+async fn handle(tx: &mut sqlx::SqliteConnection, msg: &Msg) -> Result<(), sqlx::Error> {
+    let _ = (tx, msg);
+    Ok(())
+}
+
+fn main() {}
