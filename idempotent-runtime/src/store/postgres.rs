@@ -110,3 +110,18 @@ pub(crate) fn is_retryable_code(code: &str) -> bool {
         "40001" | "40P01" | "55P03" | "57P01" | "57P02" | "57P03" | "53300"
     ) || code.starts_with("08")
 }
+
+#[cfg(test)]
+mod tests {
+    use super::is_retryable_code;
+
+    #[test]
+    fn transient_sqlstates_are_retryable() {
+        for code in ["40001", "40P01", "55P03", "57P01", "08006", "08003", "53300"] {
+            assert!(is_retryable_code(code), "{code}");
+        }
+        for code in ["23505", "42P01", "22P02", "42501"] {
+            assert!(!is_retryable_code(code), "{code}");
+        }
+    }
+}

@@ -121,3 +121,20 @@ pub(crate) fn is_retryable_code(code: &str) -> bool {
     code.parse::<i32>()
         .is_ok_and(|code| matches!(code & 0xFF, SQLITE_BUSY | SQLITE_LOCKED))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::is_retryable_code;
+
+    #[test]
+    fn busy_and_locked_are_retryable_with_any_extended_code() {
+        // SQLITE_BUSY, SQLITE_BUSY_SNAPSHOT (517), SQLITE_LOCKED, SQLITE_LOCKED_SHAREDCACHE (262)
+        for code in ["5", "517", "6", "262"] {
+            assert!(is_retryable_code(code), "{code}");
+        }
+        // SQLITE_CONSTRAINT_PRIMARYKEY (1555), SQLITE_READONLY (8), SQLITE_CORRUPT (11)
+        for code in ["1555", "8", "11", "not a number"] {
+            assert!(!is_retryable_code(code), "{code}");
+        }
+    }
+}
