@@ -117,7 +117,9 @@ mod tests {
 
     #[test]
     fn transient_sqlstates_are_retryable() {
-        for code in ["40001", "40P01", "55P03", "57P01", "08006", "08003", "53300"] {
+        for code in [
+            "40001", "40P01", "55P03", "57P01", "08006", "08003", "53300",
+        ] {
             assert!(is_retryable_code(code), "{code}");
         }
         for code in ["23505", "42P01", "22P02", "42501"] {
