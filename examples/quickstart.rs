@@ -217,6 +217,17 @@ fn source_of(e: &Error<ShopError>) -> String {
     }
 }
 
+async fn handle_and_print(shop: &impl Shop, delivery: &Delivery) {
+    let outcome = shop.handle(&delivery.msg).await;
+    println!(
+        "delivery {:>2}  order {}  {:<44} {}",
+        delivery.tag,
+        delivery.msg.order_id,
+        delivery.why,
+        describe(&outcome)
+    );
+}
+
 async fn simulate(shop: &impl Shop) -> Result<State, Box<dyn std::error::Error>> {
     let payment = |order_id: i64, amount_cents: i64| PaymentReceived {
         message_id: Uuid::new_v4(),
@@ -231,14 +242,7 @@ async fn simulate(shop: &impl Shop) -> Result<State, Box<dyn std::error::Error>>
     broker.publish(second.clone(), "first delivery");
 
     while let Some(delivery) = broker.next() {
-        let outcome = shop.handle(&delivery.msg).await;
-        println!(
-            "delivery {:>2}  order {}  {:<44} {}",
-            delivery.tag,
-            delivery.msg.order_id,
-            delivery.why,
-            describe(&outcome)
-        );
+        handle_and_print(shop, &delivery).await;
         let first_delivery = delivery.why == "first delivery";
         if delivery.msg.order_id == 1 && first_delivery {
             // The consumer crashes after its commit, before the ack: the broker's lock expires and it
@@ -257,31 +261,17 @@ async fn simulate(shop: &impl Shop) -> Result<State, Box<dyn std::error::Error>>
     }
 
     // Two consumers receive copies of the same message at the same moment.
-    let (a, b) = tokio::join!(shop.handle(&third), shop.handle(&third));
-    println!(
-        "copy  A     order 3  {:<44} {}",
-        "two copies at once",
-        describe(&a)
-    );
-    println!(
-        "copy  B     order 3  {:<44} {}",
-        "two copies at once",
-        describe(&b)
-    );
+    broker.publish(third.clone(), "two copies at once, to consumer A");
+    broker.publish(third, "two copies at once, to consumer B");
+    let (a, b) = (broker.next().unwrap(), broker.next().unwrap());
+    tokio::join!(handle_and_print(shop, &a), handle_and_print(shop, &b));
 
     // Days later an operator resubmits everything in the dead-letter queue.
     for msg in std::mem::take(&mut broker.dead_letters) {
         broker.publish(msg, "resubmitted from the dead-letter queue");
     }
     while let Some(delivery) = broker.next() {
-        let outcome = shop.handle(&delivery.msg).await;
-        println!(
-            "delivery {:>2}  order {}  {:<44} {}",
-            delivery.tag,
-            delivery.msg.order_id,
-            delivery.why,
-            describe(&outcome)
-        );
+        handle_and_print(shop, &delivery).await;
     }
 
     Ok(shop.state().await?)
