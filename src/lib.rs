@@ -114,6 +114,9 @@ pub use idempotent_runtime::{
     TableName, is_retryable, key, message_key,
 };
 
+#[cfg(feature = "mysql")]
+#[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
+pub use idempotent_runtime::mysql;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub use idempotent_runtime::postgres;

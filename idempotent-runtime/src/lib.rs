@@ -19,6 +19,9 @@ pub use error::{Error, InboxError, Stage, is_retryable};
 pub use inbox::{Claimed, Handled, Inbox, InboxFor, MAX_CONSUMER_LEN};
 pub use key::{KeyBuilder, KeyError, MessageKey, StableKey, message_key};
 pub use markers::{CorrelationId, DeliveryTag};
+#[cfg(feature = "mysql")]
+#[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
+pub use store::mysql;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub use store::postgres;

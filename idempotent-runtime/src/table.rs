@@ -48,14 +48,15 @@ impl TableName {
         &self.0
     }
 
-    /// The name quoted as an SQL identifier (`"name"`), for PostgreSQL and SQLite.
-    pub(crate) fn quoted(&self) -> String {
-        format!("\"{}\"", self.0)
+    /// The name quoted as an SQL identifier with `quote`: `"` for PostgreSQL and SQLite, `` ` ``
+    /// for MySQL. The name's characters need no escaping.
+    pub(crate) fn quoted(&self, quote: char) -> String {
+        format!("{quote}{}{quote}", self.0)
     }
 
-    /// The name of one of the table's indexes, quoted.
-    pub(crate) fn quoted_index(&self, suffix: &str) -> String {
-        format!("\"{}_{suffix}\"", self.0)
+    /// The name of one of the table's indexes, quoted likewise.
+    pub(crate) fn quoted_index(&self, suffix: &str, quote: char) -> String {
+        format!("{quote}{}_{suffix}{quote}", self.0)
     }
 }
 

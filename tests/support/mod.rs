@@ -8,6 +8,8 @@ use std::sync::Arc;
 use idempotent::{Backend, Error, Handled, Inbox};
 use tokio::sync::Notify;
 
+#[cfg(feature = "mysql")]
+pub mod mysql;
 #[cfg(feature = "postgres")]
 pub mod postgres;
 #[cfg(feature = "sqlite")]
@@ -106,15 +108,16 @@ pub trait Harness {
     fn wait_until_a_claim_blocks(&self) -> impl Future<Output = ()>;
 }
 
-/// The effect every handler commits, and what it then does.
+/// The effect every handler commits, and what it then does; `$insert` inserts `(consumer, label)`
+/// into `effects` in the backend's placeholder style.
 macro_rules! effect_handlers {
-    ($conn:ty) => {
+    ($conn:ty, $insert:literal) => {
         use idempotent::idempotent;
 
         use crate::support::{Behaviour, Delivery, TestError};
 
         async fn effect(tx: &mut $conn, consumer: &str, msg: &Delivery) -> Result<(), TestError> {
-            sqlx::query("INSERT INTO effects (consumer, label) VALUES ($1, $2)")
+            sqlx::query($insert)
                 .bind(consumer)
                 .bind(&msg.label)
                 .execute(&mut *tx)

@@ -9,7 +9,10 @@ use sqlx::{ConnectOptions, Postgres};
 use super::{CREATE_EFFECTS, Consumer, Delivery, Harness, Outcome};
 
 mod handlers {
-    crate::support::effect_handlers!(sqlx::PgConnection);
+    crate::support::effect_handlers!(
+        sqlx::PgConnection,
+        "INSERT INTO effects (consumer, label) VALUES ($1, $2)"
+    );
 }
 
 /// The server the tests run against. `scripts/test` starts one; CI does too. Not set means not

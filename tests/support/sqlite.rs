@@ -9,7 +9,10 @@ use sqlx::sqlite::{SqlitePool, SqlitePoolOptions};
 use super::{CREATE_EFFECTS, Consumer, Delivery, Harness, Outcome};
 
 mod handlers {
-    crate::support::effect_handlers!(sqlx::SqliteConnection);
+    crate::support::effect_handlers!(
+        sqlx::SqliteConnection,
+        "INSERT INTO effects (consumer, label) VALUES ($1, $2)"
+    );
 }
 
 pub struct SqliteHarness {

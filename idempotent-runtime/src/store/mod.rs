@@ -12,6 +12,9 @@ use sqlx::{Pool, Transaction};
 
 use crate::table::TableName;
 
+#[cfg(feature = "mysql")]
+#[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
+pub mod mysql;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub mod postgres;
@@ -24,8 +27,8 @@ mod sealed {
 }
 pub(crate) use sealed::Sealed;
 
-/// A database the inbox can live in: implemented for [`sqlx::Postgres`] and [`sqlx::Sqlite`]
-/// (with the `postgres` and `sqlite` features). Sealed: its methods are the inbox's internals.
+/// A database the inbox can live in: implemented for [`sqlx::Postgres`], [`sqlx::Sqlite`] and
+/// [`sqlx::MySql`] (with the `postgres`, `sqlite` and `mysql` features). Sealed: its methods are the inbox's internals.
 pub trait Backend: sqlx::Database + Sealed {
     #[doc(hidden)]
     /// Builds the SQL of the per-message statements once per inbox.
@@ -64,12 +67,13 @@ pub trait Backend: sqlx::Database + Sealed {
     ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a;
 }
 
-/// A connection type a handler can take: `&mut sqlx::PgConnection` or `&mut sqlx::SqliteConnection`.
+/// A connection type a handler can take: `&mut sqlx::PgConnection`, `&mut sqlx::SqliteConnection`
+/// or `&mut sqlx::MySqlConnection`.
 /// It names the [`Backend`] whose [`Inbox`](crate::Inbox) the rewritten handler takes instead.
 #[diagnostic::on_unimplemented(
     message = "`{Self}` is not a connection an inbox can live on",
     label = "the first parameter of an `#[idempotent]` handler is the transaction's connection",
-    note = "write `&mut sqlx::PgConnection` or `&mut sqlx::SqliteConnection`, and enable the crate's feature of the same database"
+    note = "write `&mut sqlx::PgConnection`, `&mut sqlx::SqliteConnection` or `&mut sqlx::MySqlConnection`, and enable the crate's feature of the same database"
 )]
 pub trait HandlerConnection {
     /// The database this connection talks to.
@@ -98,6 +102,10 @@ pub(crate) fn is_retryable_database_error(error: &dyn sqlx::error::DatabaseError
         return error
             .code()
             .is_some_and(|code| sqlite::is_retryable_code(&code));
+    }
+    #[cfg(feature = "mysql")]
+    if let Some(error) = error.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>() {
+        return mysql::is_retryable_number(error.number());
     }
     let _ = error;
     false

@@ -33,7 +33,7 @@ impl HandlerConnection for PgConnection {
 
 impl Backend for Postgres {
     fn statements(table: &TableName) -> Statements {
-        let t = table.quoted();
+        let t = table.quoted('"');
         Statements {
             claim: format!(
                 "INSERT INTO {t} (consumer, message_key) VALUES ($1, $2) ON CONFLICT DO NOTHING"
@@ -76,8 +76,8 @@ impl Backend for Postgres {
     }
 
     async fn migrate(pool: &PgPool, table: &TableName) -> Result<(), sqlx::Error> {
-        let t = table.quoted();
-        let index = table.quoted_index("processed_at");
+        let t = table.quoted('"');
+        let index = table.quoted_index("processed_at", '"');
         let mut tx = pool.begin().await?;
         sqlx::query("SELECT pg_advisory_xact_lock($1)")
             .bind(MIGRATE_LOCK)

@@ -49,7 +49,7 @@ const NOW_MILLIS: &str = "CAST(unixepoch('subsec') * 1000 AS INTEGER)";
 
 impl Backend for Sqlite {
     fn statements(table: &TableName) -> Statements {
-        let t = table.quoted();
+        let t = table.quoted('"');
         Statements {
             claim: format!(
                 "INSERT OR IGNORE INTO {t} (consumer, message_key, processed_at) VALUES (?1, ?2, {NOW_MILLIS})"
@@ -92,8 +92,8 @@ impl Backend for Sqlite {
     }
 
     async fn migrate(pool: &SqlitePool, table: &TableName) -> Result<(), sqlx::Error> {
-        let t = table.quoted();
-        let index = table.quoted_index("processed_at");
+        let t = table.quoted('"');
+        let index = table.quoted_index("processed_at", '"');
         let mut tx = pool.begin_with("BEGIN IMMEDIATE").await?;
         sqlx::query(AssertSqlSafe(format!(
             "CREATE TABLE IF NOT EXISTS {t} (

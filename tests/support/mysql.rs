@@ -1,0 +1,112 @@
+//! A fresh database per test in the MySQL or MariaDB that `IDEMPOTENT_MYSQL_URL` points to.
+
+use std::time::Duration;
+
+use idempotent::Inbox;
+use sqlx::mysql::{MySqlConnectOptions, MySqlPool, MySqlPoolOptions};
+use sqlx::{ConnectOptions, MySql};
+
+use super::{CREATE_EFFECTS, Consumer, Delivery, Harness, Outcome};
+
+mod handlers {
+    crate::support::effect_handlers!(
+        sqlx::MySqlConnection,
+        "INSERT INTO effects (consumer, label) VALUES (?, ?)"
+    );
+}
+
+/// The server the tests run against. `scripts/test` starts one; CI does too.
+pub fn url() -> String {
+    std::env::var("IDEMPOTENT_MYSQL_URL").expect(
+        "IDEMPOTENT_MYSQL_URL is not set: run the tests with scripts/test, which starts MariaDB",
+    )
+}
+
+pub struct MySqlHarness {
+    pub inbox: Inbox<MySql>,
+    pub pool: MySqlPool,
+    pub database: String,
+}
+
+impl MySqlHarness {
+    pub async fn new() -> Self {
+        let options: MySqlConnectOptions = url().parse().expect("IDEMPOTENT_MYSQL_URL");
+        let database = format!("t_{}", uuid::Uuid::new_v4().simple());
+        let mut admin = options.connect().await.expect("connect to MySQL");
+        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {database}")))
+            .execute(&mut admin)
+            .await
+            .unwrap();
+        let pool = MySqlPoolOptions::new()
+            .max_connections(40)
+            .connect_with(options.database(&database))
+            .await
+            .expect("connect to MySQL");
+        sqlx::query(CREATE_EFFECTS).execute(&pool).await.unwrap();
+        let inbox = Inbox::new(pool.clone());
+        inbox.migrate().await.expect("migrate");
+        Self {
+            inbox,
+            pool,
+            database,
+        }
+    }
+}
+
+impl Harness for MySqlHarness {
+    type Db = MySql;
+
+    fn inbox(&self) -> &Inbox<MySql> {
+        &self.inbox
+    }
+
+    async fn deliver(&self, consumer: Consumer, msg: &Delivery) -> Outcome {
+        handlers::deliver(&self.inbox, consumer, msg).await
+    }
+
+    async fn effects(&self, label: &str) -> i64 {
+        sqlx::query_scalar("SELECT COUNT(*) FROM effects WHERE label = ?")
+            .bind(label)
+            .fetch_one(&self.pool)
+            .await
+            .unwrap()
+    }
+
+    async fn effects_of(&self, consumer: &str, label: &str) -> i64 {
+        sqlx::query_scalar("SELECT COUNT(*) FROM effects WHERE consumer = ? AND label = ?")
+            .bind(consumer)
+            .bind(label)
+            .fetch_one(&self.pool)
+            .await
+            .unwrap()
+    }
+
+    async fn inbox_rows(&self) -> i64 {
+        sqlx::query_scalar("SELECT COUNT(*) FROM idempotent_inbox")
+            .fetch_one(&self.pool)
+            .await
+            .unwrap()
+    }
+
+    async fn wait_until_a_claim_blocks(&self) {
+        // InnoDB's own lock-wait view (INNODB_TRX) is a cache refreshed at most every 100 ms while
+        // it is read, so it can miss a wait for as long as it is polled; the process list is live.
+        // A claim of this test's database that has been inserting for 200 ms is waiting on a lock:
+        // an insert that does not wait takes microseconds. (TIME_MS is MariaDB's.)
+        for _ in 0..500 {
+            let waiting: i64 = sqlx::query_scalar(
+                "SELECT COUNT(*) FROM information_schema.PROCESSLIST
+                 WHERE DB = ? AND INFO LIKE 'INSERT IGNORE INTO `idempotent_inbox`%' AND TIME_MS > 200",
+            )
+            .bind(&self.database)
+            .fetch_one(&self.pool)
+            .await
+            .unwrap();
+            if waiting > 0 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        panic!("no claim ever waited on the uncommitted one");
+    }
+}
