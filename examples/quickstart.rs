@@ -8,6 +8,7 @@
 //! ```text
 //! cargo run --example quickstart                                  # SQLite, no setup
 //! DATABASE_URL=postgres://user@host/db cargo run --example quickstart --features postgres
+//! DATABASE_URL=mysql://user:pass@host/db cargo run --example quickstart --features mysql
 //! ```
 
 use std::collections::VecDeque;
@@ -35,13 +36,37 @@ pub enum ShopError {
     Db(#[from] sqlx::Error),
 }
 
+/// The handler's statements, in the placeholder style of each database.
+pub struct Statements {
+    pay: &'static str,
+    email: &'static str,
+    revenue: &'static str,
+}
+
+/// PostgreSQL's `$1` (which SQLite understands too).
+pub const NUMBERED: Statements = Statements {
+    pay: "UPDATE orders SET status = 'paid', payment_id = $1 WHERE id = $2",
+    email: "INSERT INTO emails (order_id, kind) VALUES ($1, 'payment-confirmation')",
+    revenue: "UPDATE counters SET value = value + $1 WHERE name = 'revenue_cents'",
+};
+
+/// MySQL's `?`.
+pub const POSITIONAL: Statements = Statements {
+    pay: "UPDATE orders SET status = 'paid', payment_id = ? WHERE id = ?",
+    email: "INSERT INTO emails (order_id, kind) VALUES (?, 'payment-confirmation')",
+    revenue: "UPDATE counters SET value = value + ? WHERE name = 'revenue_cents'",
+};
+
 /// The shop's handler, written once for each database the example can run on. In an application
-/// there is one connection type and no `macro_rules!`: the function inside is all you write.
+/// there is one connection type, the SQL is inline and there is no `macro_rules!`: the function
+/// inside is all you write.
 macro_rules! shop_on {
-    ($conn:ty) => {
+    ($conn:ty, $sql:expr) => {
         use idempotent::idempotent;
 
-        use super::{PaymentReceived, ShopError};
+        use super::{PaymentReceived, ShopError, Statements};
+
+        const SQL: Statements = $sql;
 
         /// Marks the order paid, queues one confirmation email and adds the amount to the revenue
         /// counter: an effect that must not happen twice.
@@ -50,20 +75,19 @@ macro_rules! shop_on {
             tx: &mut $conn,
             msg: &PaymentReceived,
         ) -> Result<(), ShopError> {
-            let updated =
-                sqlx::query("UPDATE orders SET status = 'paid', payment_id = $2 WHERE id = $1")
-                    .bind(msg.order_id)
-                    .bind(&msg.payment_id)
-                    .execute(&mut *tx)
-                    .await?;
-            if updated.rows_affected() == 0 {
-                return Err(ShopError::UnknownOrder(msg.order_id));
-            }
-            sqlx::query("INSERT INTO emails (order_id, kind) VALUES ($1, 'payment-confirmation')")
+            let updated = sqlx::query(SQL.pay)
+                .bind(&msg.payment_id)
                 .bind(msg.order_id)
                 .execute(&mut *tx)
                 .await?;
-            sqlx::query("UPDATE counters SET value = value + $1 WHERE name = 'revenue_cents'")
+            if updated.rows_affected() == 0 {
+                return Err(ShopError::UnknownOrder(msg.order_id));
+            }
+            sqlx::query(SQL.email)
+                .bind(msg.order_id)
+                .execute(&mut *tx)
+                .await?;
+            sqlx::query(SQL.revenue)
                 .bind(msg.amount_cents)
                 .execute(&mut *tx)
                 .await?;
@@ -73,12 +97,17 @@ macro_rules! shop_on {
 }
 
 mod on_sqlite {
-    shop_on!(sqlx::SqliteConnection);
+    shop_on!(sqlx::SqliteConnection, super::NUMBERED);
 }
 
 #[cfg(feature = "postgres")]
 mod on_postgres {
-    shop_on!(sqlx::PgConnection);
+    shop_on!(sqlx::PgConnection, super::NUMBERED);
+}
+
+#[cfg(feature = "mysql")]
+mod on_mysql {
+    shop_on!(sqlx::MySqlConnection, super::POSITIONAL);
 }
 
 /// One delivery of a message: the broker gives each its own tag.
@@ -134,7 +163,7 @@ const SCHEMA: [&str; 6] = [
     "DROP TABLE IF EXISTS counters",
     "CREATE TABLE orders (id BIGINT PRIMARY KEY, status TEXT NOT NULL, payment_id TEXT)",
     "CREATE TABLE emails (order_id BIGINT NOT NULL, kind TEXT NOT NULL)",
-    "CREATE TABLE counters (name TEXT PRIMARY KEY, value BIGINT NOT NULL)",
+    "CREATE TABLE counters (name VARCHAR(64) PRIMARY KEY, value BIGINT NOT NULL)",
 ];
 const SEED: [&str; 3] = [
     "INSERT INTO orders (id, status) VALUES (1, 'open'), (2, 'open'), (3, 'open')",
@@ -198,6 +227,8 @@ macro_rules! shop_impl {
 shop_impl!(SqliteShop, sqlx::Sqlite, on_sqlite);
 #[cfg(feature = "postgres")]
 shop_impl!(PostgresShop, sqlx::Postgres, on_postgres);
+#[cfg(feature = "mysql")]
+shop_impl!(MySqlShop, sqlx::MySql, on_mysql);
 
 fn describe(outcome: &Result<Handled<()>, Error<ShopError>>) -> String {
     match outcome {
@@ -205,16 +236,20 @@ fn describe(outcome: &Result<Handled<()>, Error<ShopError>>) -> String {
             "processed: order paid, email queued, revenue counted → ack".into()
         }
         Ok(Handled::Duplicate { .. }) => "duplicate: already processed, body skipped → ack".into(),
-        Err(e) if e.is_retryable() => format!("{e} → nack, requeue"),
-        Err(e) => format!("{e} ({}) → dead-letter", source_of(e)),
+        Err(e) if e.is_retryable() => format!("{} → nack, requeue", chain(e)),
+        Err(e) => format!("{} → dead-letter", chain(e)),
     }
 }
 
-fn source_of(e: &Error<ShopError>) -> String {
-    match e {
-        Error::Handler(inner) => inner.to_string(),
-        Error::Inbox(inner) => inner.to_string(),
+/// An error and its causes, `outer: inner: innermost`.
+fn chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text = format!("{text}: {cause}");
+        source = cause.source();
     }
+    text
 }
 
 async fn handle_and_print(shop: &impl Shop, delivery: &Delivery) {
@@ -279,7 +314,9 @@ async fn simulate(shop: &impl Shop) -> Result<State, Box<dyn std::error::Error>>
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let url = std::env::var("DATABASE_URL").ok();
+    let url = std::env::var("DATABASE_URL")
+        .ok()
+        .filter(|url| !url.is_empty());
     let state = match url.as_deref() {
         Some(url) if url.starts_with("postgres") => {
             #[cfg(feature = "postgres")]
@@ -293,6 +330,19 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             }
             #[cfg(not(feature = "postgres"))]
             return Err("a PostgreSQL DATABASE_URL needs `--features postgres`".into());
+        }
+        Some(url) if url.starts_with("mysql") || url.starts_with("mariadb") => {
+            #[cfg(feature = "mysql")]
+            {
+                println!("running on MySQL");
+                let pool = sqlx::mysql::MySqlPoolOptions::new()
+                    .max_connections(4)
+                    .connect(url)
+                    .await?;
+                simulate(&MySqlShop::open(pool).await?).await?
+            }
+            #[cfg(not(feature = "mysql"))]
+            return Err("a MySQL DATABASE_URL needs `--features mysql`".into());
         }
         Some(url) => {
             println!("running on {url}");

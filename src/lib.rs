@@ -48,15 +48,16 @@
 //!
 //! # What the attribute does
 //! [`#[idempotent(key = "...", consumer = "...")]`](idempotent) rewrites an `async fn` whose first
-//! parameter is the transaction's connection (`&mut sqlx::PgConnection` or
-//! `&mut sqlx::SqliteConnection`) and whose second is the message. The rewritten function takes an
+//! parameter is the transaction's connection (`&mut sqlx::PgConnection`,
+//! `&mut sqlx::SqliteConnection` or `&mut sqlx::MySqlConnection`) and whose second is the message. The rewritten function takes an
 //! [`Inbox`] instead of the connection, and on each call:
 //!
 //! 1. computes the key from the message's fields (an empty string key is an
 //!    [`InboxError::Key`] error, before any database work);
 //! 2. begins a transaction and claims `(consumer, key)` in the inbox table, as its first
 //!    statement, with the database's own conflict handling: PostgreSQL
-//!    `INSERT … ON CONFLICT DO NOTHING`, SQLite `INSERT OR IGNORE` after `BEGIN IMMEDIATE`. A
+//!    `INSERT … ON CONFLICT DO NOTHING`, SQLite `INSERT OR IGNORE` after `BEGIN IMMEDIATE`, MySQL
+//!    `INSERT IGNORE`. A
 //!    concurrent call with the same key waits there until the first one commits or rolls back;
 //! 3. if the key was already claimed, rolls back and returns [`Handled::Duplicate`]; the body does
 //!    not run;
@@ -81,6 +82,7 @@
 //! # Features
 //! - `sqlite` (default): the inbox on SQLite, compiled in.
 //! - `postgres`: the inbox on PostgreSQL.
+//! - `mysql`: the inbox on MySQL and MariaDB.
 #![warn(missing_docs, unreachable_pub)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use futures::FutureExt;
-use idempotent::{Error, Handled, InboxError, KeyError, message_key};
+use idempotent::{Error, Handled, InboxError, KeyError, Stage, message_key};
 use tokio::sync::Notify;
 
 use crate::support::{Behaviour, Consumer, Delivery, Harness};
@@ -184,6 +184,61 @@ pub async fn claim_waits_for_an_uncommitted_claim_then_runs_after_its_rollback(h
     assert_eq!(h.inbox_rows().await, 1);
 }
 
+pub async fn claim_that_waits_too_long_fails_retryably_and_commits_nothing(h: impl Harness) {
+    let msg = Delivery::new("lock-timeout");
+    let key = message_key(&msg.message_id).unwrap();
+    let held = h.inbox().claim("orders", &key).await.unwrap().unwrap();
+    let error = h.deliver_impatiently(&msg).await.unwrap_err();
+    match &error {
+        Error::Inbox(InboxError::Database { stage, .. }) => {
+            assert!(matches!(stage, Stage::Begin | Stage::Claim), "{stage:?}")
+        }
+        other => panic!("expected a database error, got {other:?}"),
+    }
+    assert!(
+        error.is_retryable(),
+        "a lock timeout must be retryable: {error:?}"
+    );
+    held.commit().await.unwrap();
+    assert!(
+        h.deliver(Consumer::Orders, &msg)
+            .await
+            .unwrap()
+            .is_duplicate()
+    );
+    assert_eq!(h.effects("lock-timeout").await, 0);
+}
+
+/// One rollback releases several waiting claims at once. Exactly one of them runs the body; the
+/// others report a duplicate, or (InnoDB, when it picks a deadlock victim among the waiters) a
+/// retryable error whose retry reports a duplicate.
+pub async fn several_waiters_released_by_a_rollback_have_one_effect(h: impl Harness) {
+    let msg = Delivery::new("rollback-stampede");
+    let key = message_key(&msg.message_id).unwrap();
+    let held = h.inbox().claim("orders", &key).await.unwrap().unwrap();
+    let (outcomes, ()) = tokio::join!(
+        futures::future::join_all((0..3).map(|_| h.deliver(Consumer::Orders, &msg))),
+        async {
+            h.wait_until_a_claim_blocks().await;
+            held.rollback().await;
+        }
+    );
+    let mut processed = 0;
+    for outcome in outcomes {
+        match outcome {
+            Ok(Handled::Processed(())) => processed += 1,
+            Ok(Handled::Duplicate { .. }) => {}
+            Err(error) => {
+                assert!(error.is_retryable(), "{error:?}");
+                let retry = h.deliver(Consumer::Orders, &msg).await.unwrap();
+                assert!(retry.is_duplicate(), "{retry:?}");
+            }
+        }
+    }
+    assert_eq!(processed, 1);
+    assert_eq!(h.effects("rollback-stampede").await, 1);
+}
+
 pub async fn two_consumers_each_process_the_message_once(h: impl Harness) {
     let msg = Delivery::new("shared-event");
     for attempt in 0..2 {
@@ -275,6 +330,8 @@ macro_rules! conformance_tests {
             concurrent_deliveries_have_one_effect
             claim_waits_for_an_uncommitted_claim_then_sees_its_commit
             claim_waits_for_an_uncommitted_claim_then_runs_after_its_rollback
+            claim_that_waits_too_long_fails_retryably_and_commits_nothing
+            several_waiters_released_by_a_rollback_have_one_effect
             two_consumers_each_process_the_message_once
             empty_key_is_refused_before_any_effect
             odd_keys_are_handled_once_each

@@ -103,6 +103,10 @@ pub trait Harness {
     /// How many rows the inbox table holds.
     fn inbox_rows(&self) -> impl Future<Output = i64>;
 
+    /// Calls the `orders` handler through a second inbox on the same database whose connections
+    /// give up waiting for a lock after about a second or less.
+    fn deliver_impatiently(&self, msg: &Delivery) -> impl Future<Output = Outcome>;
+
     /// Returns once another connection's claim is waiting on a lock (where the database shows it;
     /// otherwise after a pause long enough for a claim that does not wait to have finished).
     fn wait_until_a_claim_blocks(&self) -> impl Future<Output = ()>;

@@ -24,6 +24,7 @@ pub fn url() -> String {
 
 pub struct MySqlHarness {
     pub inbox: Inbox<MySql>,
+    pub impatient: Inbox<MySql>,
     pub pool: MySqlPool,
     pub database: String,
 }
@@ -37,16 +38,29 @@ impl MySqlHarness {
             .execute(&mut admin)
             .await
             .unwrap();
+        let options = options.database(&database);
         let pool = MySqlPoolOptions::new()
             .max_connections(40)
-            .connect_with(options.database(&database))
+            .connect_with(options.clone())
             .await
             .expect("connect to MySQL");
+        let impatient = MySqlPoolOptions::new()
+            .max_connections(2)
+            .after_connect(|conn, _| {
+                Box::pin(async move {
+                    sqlx::query("SET SESSION innodb_lock_wait_timeout = 1")
+                        .execute(conn)
+                        .await
+                        .map(drop)
+                })
+            })
+            .connect_lazy_with(options);
         sqlx::query(CREATE_EFFECTS).execute(&pool).await.unwrap();
         let inbox = Inbox::new(pool.clone());
         inbox.migrate().await.expect("migrate");
         Self {
             inbox,
+            impatient: Inbox::new(impatient),
             pool,
             database,
         }
@@ -62,6 +76,10 @@ impl Harness for MySqlHarness {
 
     async fn deliver(&self, consumer: Consumer, msg: &Delivery) -> Outcome {
         handlers::deliver(&self.inbox, consumer, msg).await
+    }
+
+    async fn deliver_impatiently(&self, msg: &Delivery) -> Outcome {
+        handlers::deliver(&self.impatient, Consumer::Orders, msg).await
     }
 
     async fn effects(&self, label: &str) -> i64 {

@@ -25,6 +25,7 @@ pub fn url() -> String {
 
 pub struct PgHarness {
     pub inbox: Inbox<Postgres>,
+    pub impatient: Inbox<Postgres>,
     pub pool: PgPool,
     pub schema: String,
 }
@@ -38,20 +39,23 @@ impl PgHarness {
             .execute(&mut admin)
             .await
             .unwrap();
+        let options = options
+            .options([("search_path", schema.as_str())])
+            .application_name(&schema);
         let pool = PgPoolOptions::new()
             .max_connections(40)
-            .connect_with(
-                options
-                    .options([("search_path", schema.as_str())])
-                    .application_name(&schema),
-            )
+            .connect_with(options.clone())
             .await
             .expect("connect to PostgreSQL");
+        let impatient = PgPoolOptions::new()
+            .max_connections(2)
+            .connect_lazy_with(options.options([("lock_timeout", "300ms")]));
         sqlx::query(CREATE_EFFECTS).execute(&pool).await.unwrap();
         let inbox = Inbox::new(pool.clone());
         inbox.migrate().await.expect("migrate");
         Self {
             inbox,
+            impatient: Inbox::new(impatient),
             pool,
             schema,
         }
@@ -67,6 +71,10 @@ impl Harness for PgHarness {
 
     async fn deliver(&self, consumer: Consumer, msg: &Delivery) -> Outcome {
         handlers::deliver(&self.inbox, consumer, msg).await
+    }
+
+    async fn deliver_impatiently(&self, msg: &Delivery) -> Outcome {
+        handlers::deliver(&self.impatient, Consumer::Orders, msg).await
     }
 
     async fn effects(&self, label: &str) -> i64 {

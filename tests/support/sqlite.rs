@@ -17,26 +17,46 @@ mod handlers {
 
 pub struct SqliteHarness {
     pub inbox: Inbox<Sqlite>,
+    pub impatient: Inbox<Sqlite>,
     pub pool: SqlitePool,
-    _dir: tempfile::TempDir,
+    _dir: Option<tempfile::TempDir>,
 }
 
 impl SqliteHarness {
     pub async fn new() -> Self {
         let dir = tempfile::tempdir().expect("temporary folder");
         let url = format!("sqlite://{}", dir.path().join("inbox.db").display());
+        let options = idempotent::sqlite::connect_options(&url).unwrap();
         let pool = SqlitePoolOptions::new()
             .max_connections(40)
-            .connect_with(idempotent::sqlite::connect_options(&url).unwrap())
+            .connect_with(options.clone())
             .await
             .expect("open the SQLite file");
+        let impatient = SqlitePoolOptions::new()
+            .max_connections(2)
+            .connect_lazy_with(options.busy_timeout(Duration::from_millis(300)));
         sqlx::query(CREATE_EFFECTS).execute(&pool).await.unwrap();
         let inbox = Inbox::new(pool.clone());
         inbox.migrate().await.expect("migrate");
         Self {
             inbox,
+            impatient: Inbox::new(impatient),
             pool,
-            _dir: dir,
+            _dir: Some(dir),
+        }
+    }
+
+    /// The in-memory inbox users test their own handlers with: one connection, so the impatient
+    /// delivery is one that cannot get it in time (a pool timeout).
+    pub async fn in_memory() -> Self {
+        let inbox = Inbox::<Sqlite>::in_memory().await.expect("in-memory inbox");
+        let pool = inbox.pool().clone();
+        sqlx::query(CREATE_EFFECTS).execute(&pool).await.unwrap();
+        Self {
+            impatient: inbox.clone(),
+            inbox,
+            pool,
+            _dir: None,
         }
     }
 }
@@ -50,6 +70,10 @@ impl Harness for SqliteHarness {
 
     async fn deliver(&self, consumer: Consumer, msg: &Delivery) -> Outcome {
         handlers::deliver(&self.inbox, consumer, msg).await
+    }
+
+    async fn deliver_impatiently(&self, msg: &Delivery) -> Outcome {
+        handlers::deliver(&self.impatient, Consumer::Orders, msg).await
     }
 
     async fn effects(&self, label: &str) -> i64 {
