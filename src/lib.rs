@@ -104,7 +104,8 @@
 /// | `crate` | the path of this crate when the dependency is renamed |
 ///
 /// The function must be an `async fn` (or method taking `&self`) whose first parameter after `self`
-/// is `&mut sqlx::PgConnection` or `&mut sqlx::SqliteConnection` and whose second is the message,
+/// is `&mut sqlx::PgConnection`, `&mut sqlx::SqliteConnection` or `&mut sqlx::MySqlConnection`
+/// and whose second is the message,
 /// returning `Result<T, E>` (or an alias of it). It becomes a function that takes
 /// `&InboxFor<Connection>` in place of the connection and returns
 /// `Result<Handled<T>, Error<E>>`; see the [crate docs](crate) for what it does.

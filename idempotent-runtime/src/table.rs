@@ -92,7 +92,7 @@ mod tests {
             assert!(TableName::new(name).is_err(), "{name:?} was accepted");
         }
         assert_eq!(
-            TableName::new("orders_inbox_2").unwrap().quoted(),
+            TableName::new("orders_inbox_2").unwrap().quoted('"'),
             "\"orders_inbox_2\""
         );
     }
