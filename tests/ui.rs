@@ -3,7 +3,7 @@
 //! under `tests/ui/pass/`. Regenerate with `TRYBUILD=overwrite cargo test --all-features --test ui`
 //! and read every diff. The compiler lists the connection types the enabled features implement, so
 //! the snapshots are those of the README's test command, which enables every feature.
-#![cfg(all(feature = "postgres", feature = "sqlite"))]
+#![cfg(all(feature = "postgres", feature = "sqlite", feature = "mysql"))]
 
 #[test]
 fn misuse_is_a_compile_error() {
