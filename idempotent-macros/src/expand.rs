@@ -46,6 +46,9 @@ fn rewrite(plan: &Plan, mut function: ItemFn) -> TokenStream {
         ok,
         err,
         declared_output,
+        store_response,
+        fingerprint,
+        idempotency_key,
     } = plan;
     let private = quote!(#krate::__private);
     let site = Span::mixed_site();
@@ -54,6 +57,7 @@ fn rewrite(plan: &Plan, mut function: ItemFn) -> TokenStream {
     let result = format_ident!("__result", span = site);
     let builder = format_ident!("__key", span = site);
     let fake_return = format_ident!("__fake_return", span = site);
+    let fingerprint_var = format_ident!("__fingerprint", span = site);
 
     let connection_ty = &connection.ty;
     let connection_pat = &connection.pat;
@@ -69,20 +73,47 @@ fn rewrite(plan: &Plan, mut function: ItemFn) -> TokenStream {
     {
         *param = inbox_param;
     }
+    let hand_over_key = idempotency_key.as_ref().map(|(index, pat)| {
+        function.sig.inputs = std::mem::take(&mut function.sig.inputs)
+            .into_iter()
+            .enumerate()
+            .filter(|(i, _)| i != index)
+            .map(|(_, arg)| arg)
+            .collect();
+        quote! { let #pat: #private::IdempotencyKey = #claimed.idempotency_key(); }
+    });
     function.sig.output = syn::parse_quote_spanned! {declared_output.span()=>
         -> ::core::result::Result<#private::Handled<#ok>, #private::HandlerError<#err>>
     };
 
-    let pushes = key.iter().map(|path| {
-        // The whole field access carries the literal's span, so that a missing field or a key type
-        // that is not a `StableKey` is reported on the key the user wrote.
+    // A field access carries its literal's span, so that a missing field or a key type that is not
+    // a `StableKey` is reported on the name the user wrote.
+    let field = |path: &crate::parse::KeyPath| {
         let span = path.lit.span();
         let message = syn::Ident::new(&message.to_string(), span);
         let members = &path.members;
-        quote_spanned! {span=>
-            #builder.push(&#message #(.#members)*);
-        }
+        quote_spanned! {span=> &#message #(.#members)* }
+    };
+    let pushes = key.iter().map(|path| {
+        let field = field(path);
+        quote! { #builder.push(#field); }
     });
+    let fingerprint = match fingerprint {
+        None => quote!(::core::option::Option::None),
+        Some(fields) if fields.is_empty() => {
+            quote!(::core::option::Option::Some(#private::fingerprint(&#message)))
+        }
+        Some(fields) => {
+            let fields = fields.iter().map(field);
+            quote!(::core::option::Option::Some(#private::fingerprint(&(#(#fields,)*))))
+        }
+    };
+    let (start, finish) = if *store_response {
+        (quote!(start_storing), quote!(finish_storing))
+    } else {
+        (quote!(start), quote!(finish))
+    };
+    let handler_name = function.sig.ident.to_string();
     let body = &function.block;
     let block = quote! {{
         let #builder = {
@@ -90,10 +121,13 @@ fn rewrite(plan: &Plan, mut function: ItemFn) -> TokenStream {
             #(#pushes)*
             #builder.finish()
         };
-        let mut #claimed = match #private::start(#inbox, #consumer, #builder).await {
+        let #fingerprint_var = #fingerprint;
+        #private::Instrument::instrument(async move {
+        let mut #claimed = match #private::#start(#inbox, #consumer, #builder, #fingerprint_var).await {
             #private::Start::Claimed(claimed) => claimed,
             #private::Start::Done(outcome) => return outcome,
         };
+        #hand_over_key
         let #result = {
             let #connection_pat: #connection_ref = #claimed.connection();
             async move {
@@ -113,7 +147,8 @@ fn rewrite(plan: &Plan, mut function: ItemFn) -> TokenStream {
             }
             .await
         };
-        #claimed.finish(#result).await
+        #claimed.#finish(#result).await
+        }, #private::handler_span(#consumer, #handler_name)).await
     }};
     function.block = syn::parse2(block).expect("the generated body is a block");
     quote!(#function)

@@ -10,7 +10,8 @@ use syn::{Expr, ExprLit, FnArg, Lit, LitStr, Member, Meta, Pat, Token, Type};
 use crate::ctxt::Ctxt;
 
 /// The arguments a user may write, for the "unknown argument" error.
-pub(crate) const ARGUMENTS: &str = "`key`, `consumer`, `allow_unstable_key` and `crate`";
+pub(crate) const ARGUMENTS: &str =
+    "`key`, `consumer`, `fingerprint`, `store_response`, `allow_unstable_key` and `crate`";
 
 /// The attribute's arguments, each as written (or `None` when absent).
 #[derive(Default)]
@@ -19,6 +20,16 @@ pub(crate) struct Args {
     pub(crate) consumer: Slot<LitStr>,
     pub(crate) allow_unstable_key: Slot<LitStr>,
     pub(crate) krate: Slot<syn::Path>,
+    pub(crate) store_response: Slot<Span>,
+    pub(crate) fingerprint: Slot<Fingerprint>,
+}
+
+/// What `fingerprint` covers.
+pub(crate) enum Fingerprint {
+    /// `fingerprint`: the whole message.
+    Whole,
+    /// `fingerprint = ("amount", "currency")`: these fields.
+    Fields(Key),
 }
 
 /// One argument's value; setting it twice is an error at the second name.
@@ -72,6 +83,16 @@ pub(crate) fn args(cx: &mut Ctxt, tokens: TokenStream) -> Args {
         }
     };
     for meta in metas {
+        if let Meta::Path(path) = &meta {
+            if path.is_ident("store_response") {
+                args.store_response.set(cx, path, path.span());
+                continue;
+            }
+            if path.is_ident("fingerprint") {
+                args.fingerprint.set(cx, path, Fingerprint::Whole);
+                continue;
+            }
+        }
         let Meta::NameValue(nv) = meta else {
             let path = meta.path();
             if known(path) {
@@ -96,6 +117,15 @@ pub(crate) fn args(cx: &mut Ctxt, tokens: TokenStream) -> Args {
             if let Some(lit) = string(cx, &nv.value, "consumer") {
                 args.consumer.set(cx, name, lit);
             }
+        } else if name.is_ident("fingerprint") {
+            if let Some(fields) = key(cx, &nv.value) {
+                args.fingerprint.set(cx, name, Fingerprint::Fields(fields));
+            }
+        } else if name.is_ident("store_response") {
+            cx.error_spanned(
+                &nv,
+                "#[idempotent(store_response)] takes no value\nhelp: write `store_response` to store the body's `Ok` value for duplicates",
+            );
         } else if name.is_ident("allow_unstable_key") {
             if let Some(lit) = string(cx, &nv.value, "allow_unstable_key") {
                 args.allow_unstable_key.set(cx, name, lit);
@@ -118,9 +148,16 @@ pub(crate) fn args(cx: &mut Ctxt, tokens: TokenStream) -> Args {
 }
 
 fn known(path: &syn::Path) -> bool {
-    ["key", "consumer", "allow_unstable_key", "crate"]
-        .iter()
-        .any(|name| path.is_ident(name))
+    [
+        "key",
+        "consumer",
+        "allow_unstable_key",
+        "crate",
+        "fingerprint",
+        "store_response",
+    ]
+    .iter()
+    .any(|name| path.is_ident(name))
 }
 
 fn unknown(cx: &mut Ctxt, path: &syn::Path) {
@@ -169,7 +206,7 @@ fn key(cx: &mut Ctxt, value: &Expr) -> Option<Key> {
         else {
             cx.error_spanned(
                 lit,
-                "#[idempotent(key = ...)] takes a field name as a string, such as \"message_id\", or a tuple of them",
+                "#[idempotent(...)] takes a field name as a string, such as \"message_id\", or a tuple of them",
             );
             continue;
         };
@@ -224,6 +261,9 @@ pub(crate) struct Signature {
     pub(crate) message: Result<syn::Ident, Span>,
     /// The declared return type.
     pub(crate) output: Output,
+    /// A parameter of type `IdempotencyKey`, which the rewritten function fills in: its position
+    /// among the inputs, and its pattern.
+    pub(crate) idempotency_key: Option<(usize, Box<Pat>)>,
 }
 
 /// The connection parameter, `pat: &mut ty`.
@@ -278,10 +318,30 @@ pub(crate) fn signature(sig: &syn::Signature) -> Signature {
         syn::ReturnType::Default => Output::Missing(params_span),
         syn::ReturnType::Type(_, ty) => output(ty),
     };
+    let idempotency_key = sig
+        .inputs
+        .iter()
+        .enumerate()
+        .find_map(|(index, arg)| match arg {
+            FnArg::Typed(param) => match strip_group(&param.ty) {
+                Type::Path(path)
+                    if path
+                        .path
+                        .segments
+                        .last()
+                        .is_some_and(|last| last.ident == "IdempotencyKey") =>
+                {
+                    Some((index, param.pat.clone()))
+                }
+                _ => None,
+            },
+            FnArg::Receiver(_) => None,
+        });
     Signature {
         connection,
         message,
         output,
+        idempotency_key,
     }
 }
 

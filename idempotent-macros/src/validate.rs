@@ -5,7 +5,7 @@ use proc_macro2::Span;
 use syn::{LitStr, Member, Type};
 
 use crate::ctxt::Ctxt;
-use crate::parse::{Args, Connection, KeyPath, Output, Signature};
+use crate::parse::{Args, Connection, Fingerprint, KeyPath, Output, Signature};
 use crate::unstable;
 
 /// Longest consumer name, as the runtime's `MAX_CONSUMER_LEN`.
@@ -23,6 +23,12 @@ pub(crate) struct Plan {
     pub(crate) err: Type,
     /// The declared return type, for the body's type.
     pub(crate) declared_output: Type,
+    /// Store the body's `Ok` value for duplicates.
+    pub(crate) store_response: bool,
+    /// The fields to fingerprint (empty: the whole message), if any.
+    pub(crate) fingerprint: Option<Vec<KeyPath>>,
+    /// The parameter the idempotency key is handed in.
+    pub(crate) idempotency_key: Option<(usize, Box<syn::Pat>)>,
 }
 
 /// Checks everything and reports every problem at once.
@@ -44,6 +50,11 @@ pub(crate) fn plan(
         .unwrap_or_else(|| syn::parse_quote!(::idempotent));
     let consumer = consumer(&mut cx, args.consumer.value);
     let key = key(&mut cx, args.key.value, args.allow_unstable_key.value);
+    let fingerprint = match args.fingerprint.value {
+        None => None,
+        Some(Fingerprint::Whole) => Some(Vec::new()),
+        Some(Fingerprint::Fields(fields)) => Some(fields.paths),
+    };
     let connection = parsed.connection.map_err(|span| {
         cx.error(
             span,
@@ -91,6 +102,9 @@ pub(crate) fn plan(
         ok,
         err,
         declared_output,
+        store_response: args.store_response.value.is_some(),
+        fingerprint,
+        idempotency_key: parsed.idempotency_key,
     })
 }
 

@@ -19,6 +19,10 @@ pub enum Stage {
     Migrate,
     /// Reading the inbox outside a handler.
     Inspect,
+    /// Deleting expired rows.
+    Purge,
+    /// Recording a call to an outside service.
+    Call,
 }
 
 impl fmt::Display for Stage {
@@ -29,6 +33,8 @@ impl fmt::Display for Stage {
             Stage::Commit => "committing the handler's transaction",
             Stage::Migrate => "creating the inbox table",
             Stage::Inspect => "reading the inbox",
+            Stage::Purge => "purging expired rows",
+            Stage::Call => "recording a call to an outside service",
         })
     }
 }
@@ -56,6 +62,36 @@ pub enum InboxError {
         /// What is wrong with it.
         reason: &'static str,
     },
+    /// The message's key was processed before with a different payload fingerprint: the producer
+    /// reused a message id for another message. Not retryable: the same message fails again.
+    #[error("message key was processed before with a different payload")]
+    FingerprintMismatch {
+        /// The consumer.
+        consumer: String,
+        /// The reused key.
+        key: crate::key::MessageKey,
+    },
+    /// A response could not be stored or read back (serialization).
+    #[error("could not serialize or deserialize a stored response")]
+    Response {
+        /// What serde said.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// Another attempt holds a live lease on this call to an outside service; try again after
+    /// `retry_after`. Retryable.
+    #[error("the call is in progress elsewhere; retry in {retry_after:?}")]
+    CallInProgress {
+        /// When the other attempt's lease runs out.
+        retry_after: std::time::Duration,
+    },
+    /// This attempt's lease on a call expired and a later attempt took the call over; its result
+    /// was not recorded. Not retryable for this attempt: the later one owns the call.
+    #[error("the call was taken over by a later attempt (this attempt's fence was {fence})")]
+    Fenced {
+        /// This attempt's fencing token.
+        fence: i64,
+    },
     /// The database failed; see [`InboxError::is_retryable`].
     #[error("database error while {stage}")]
     Database {
@@ -78,6 +114,7 @@ impl InboxError {
     pub fn is_retryable(&self) -> bool {
         match self {
             InboxError::Database { source, .. } => is_retryable(source),
+            InboxError::CallInProgress { .. } => true,
             _ => false,
         }
     }

@@ -1,11 +1,16 @@
 //! The inbox: a pool, a table, and the claim that begins each handler's transaction.
 
 use std::fmt;
+use std::sync::Arc;
 
+use serde::Serialize;
+use serde::de::DeserializeOwned;
 use sqlx::{Pool, Transaction};
 
 use crate::error::{Error, InboxError, Stage};
-use crate::key::{MessageKey, StableKey, message_key};
+use crate::key::{IdempotencyKey, MessageKey, StableKey, message_key};
+use crate::metrics::{Metrics, MetricsSnapshot};
+use crate::retention::Retention;
 use crate::store::{Backend, HandlerConnection, Statements};
 use crate::table::TableName;
 
@@ -15,26 +20,53 @@ pub const MAX_CONSUMER_LEN: usize = 200;
 /// The record of which messages each consumer has processed, in one table of the database the
 /// handlers write to.
 ///
-/// Cheap to clone (it holds a pool); make one per database and share it.
+/// Cheap to clone (it holds a pool and shares its configuration and counters); make one per
+/// database and share it.
 pub struct Inbox<DB: Backend> {
-    pool: Pool<DB>,
-    table: TableName,
-    statements: Statements,
+    pub(crate) pool: Pool<DB>,
+    pub(crate) table: TableName,
+    pub(crate) statements: Arc<Statements>,
+    pub(crate) retention: Arc<Retention>,
+    pub(crate) metrics: Arc<Metrics>,
 }
 
 /// The inbox a handler taking a `&mut C` connection is rewritten to take:
 /// `InboxFor<sqlx::PgConnection>` is `Inbox<sqlx::Postgres>`.
 pub type InboxFor<C> = Inbox<<C as HandlerConnection>::Backend>;
 
+/// What a claim checks besides the key: see [`Inbox::claim_with`].
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ClaimOptions<'a> {
+    /// The message's payload fingerprint: stored with the claim; a duplicate whose stored
+    /// fingerprint differs is an [`InboxError::FingerprintMismatch`].
+    pub fingerprint: Option<&'a [u8]>,
+    /// Read the stored response of a duplicate.
+    pub read_response: bool,
+}
+
+/// What a claim found.
+pub enum Claim<DB: Backend> {
+    /// The key is ours: run the handler's work in this transaction.
+    New(Claimed<DB>),
+    /// The key was processed before.
+    Duplicate {
+        /// The response stored by the first call, when asked for and stored.
+        response: Option<Vec<u8>>,
+    },
+}
+
 impl<DB: Backend> Inbox<DB> {
-    /// An inbox in the table `idempotent_inbox` of `pool`'s database. Call [`migrate`](Self::migrate)
-    /// once at start-up to create the table.
+    /// An inbox in the table `idempotent_inbox` of `pool`'s database, keeping rows for the
+    /// [default retention](Retention::DEFAULT). Call [`migrate`](Self::migrate) once at start-up to
+    /// create the tables.
     pub fn new(pool: Pool<DB>) -> Self {
         let table = TableName::default();
         Self {
-            statements: DB::statements(&table),
+            statements: Arc::new(Statements::new(DB::DIALECT, &table)),
             pool,
             table,
+            retention: Arc::new(Retention::default()),
+            metrics: Arc::default(),
         }
     }
 
@@ -42,9 +74,9 @@ impl<DB: Backend> Inbox<DB> {
     pub fn with_table(self, name: &str) -> Result<Self, InboxError> {
         let table = TableName::new(name)?;
         Ok(Self {
-            statements: DB::statements(&table),
-            pool: self.pool,
+            statements: Arc::new(Statements::new(DB::DIALECT, &table)),
             table,
+            ..self
         })
     }
 
@@ -58,8 +90,13 @@ impl<DB: Backend> Inbox<DB> {
         &self.table
     }
 
-    /// Creates the inbox table and its index if they are missing. Idempotent, and safe to call
-    /// from every instance at start-up.
+    /// What this inbox (and its clones) counted so far.
+    pub fn metrics(&self) -> MetricsSnapshot {
+        self.metrics.snapshot()
+    }
+
+    /// Creates the inbox table, its calls table and their index if they are missing. Idempotent,
+    /// and safe to call from every instance at start-up.
     pub async fn migrate(&self) -> Result<(), InboxError> {
         DB::migrate(&self.pool, &self.table)
             .await
@@ -77,21 +114,69 @@ impl<DB: Backend> Inbox<DB> {
         consumer: &str,
         key: &MessageKey,
     ) -> Result<Option<Claimed<DB>>, InboxError> {
+        match self
+            .claim_with(consumer, key, ClaimOptions::default())
+            .await?
+        {
+            Claim::New(claimed) => Ok(Some(claimed)),
+            Claim::Duplicate { .. } => Ok(None),
+        }
+    }
+
+    /// [`claim`](Self::claim), checking a payload fingerprint and reading a stored response.
+    pub async fn claim_with(
+        &self,
+        consumer: &str,
+        key: &MessageKey,
+        options: ClaimOptions<'_>,
+    ) -> Result<Claim<DB>, InboxError> {
         check_consumer(consumer)?;
+        tracing::Span::current().record("key", tracing::field::display(key.digest()));
         let mut tx = DB::begin(&self.pool)
             .await
             .map_err(InboxError::database(Stage::Begin))?;
-        let claimed = DB::claim(&mut tx, &self.statements, consumer, key.as_bytes())
-            .await
-            .map_err(InboxError::database(Stage::Claim))?;
+        let claimed = DB::claim(
+            &mut tx,
+            &self.statements,
+            consumer,
+            key.as_bytes(),
+            options.fingerprint,
+        )
+        .await
+        .map_err(InboxError::database(Stage::Claim))?;
         if claimed {
-            tracing::debug!(consumer, key = %key, "claimed message key");
-            Ok(Some(Claimed { tx }))
-        } else {
-            tracing::debug!(consumer, key = %key, "duplicate message key");
-            rollback(tx).await;
-            Ok(None)
+            tracing::debug!(consumer, key = %key.digest(), "claimed message key");
+            return Ok(Claim::New(Claimed {
+                tx,
+                consumer: consumer.into(),
+                key: key.clone(),
+                statements: self.statements.clone(),
+                metrics: self.metrics.clone(),
+            }));
         }
+        rollback(tx).await;
+        self.metrics.duplicate();
+        tracing::Span::current().record("outcome", "duplicate");
+        tracing::info!(consumer, key = %key.digest(), "duplicate message: already processed");
+        if options.fingerprint.is_none() && !options.read_response {
+            return Ok(Claim::Duplicate { response: None });
+        }
+        let (response, stored_fingerprint) =
+            DB::stored(&self.pool, &self.statements, consumer, key.as_bytes())
+                .await
+                .map_err(InboxError::database(Stage::Inspect))?
+                .unwrap_or_default();
+        if let (Some(ours), Some(theirs)) = (options.fingerprint, stored_fingerprint.as_deref())
+            && ours != theirs
+        {
+            self.metrics.fingerprint_mismatch();
+            tracing::warn!(consumer, key = %key.digest(), "same message key, different payload");
+            return Err(InboxError::FingerprintMismatch {
+                consumer: consumer.to_owned(),
+                key: key.clone(),
+            });
+        }
+        Ok(Claim::Duplicate { response })
     }
 
     /// Whether the inbox records `key` as processed by `consumer` (committed claims only).
@@ -101,9 +186,10 @@ impl<DB: Backend> Inbox<DB> {
         key: &K,
     ) -> Result<bool, InboxError> {
         let key = message_key(key)?;
-        DB::contains(&self.pool, &self.statements, consumer, key.as_bytes())
+        let row = DB::stored(&self.pool, &self.statements, consumer, key.as_bytes())
             .await
-            .map_err(InboxError::database(Stage::Inspect))
+            .map_err(InboxError::database(Stage::Inspect))?;
+        Ok(row.is_some())
     }
 }
 
@@ -113,6 +199,8 @@ impl<DB: Backend> Clone for Inbox<DB> {
             pool: self.pool.clone(),
             table: self.table.clone(),
             statements: self.statements.clone(),
+            retention: self.retention.clone(),
+            metrics: self.metrics.clone(),
         }
     }
 }
@@ -121,11 +209,12 @@ impl<DB: Backend> fmt::Debug for Inbox<DB> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Inbox")
             .field("table", &self.table)
+            .field("retention", &self.retention)
             .finish_non_exhaustive()
     }
 }
 
-fn check_consumer(consumer: &str) -> Result<(), InboxError> {
+pub(crate) fn check_consumer(consumer: &str) -> Result<(), InboxError> {
     let reason = if consumer.is_empty() {
         "it is empty"
     } else if consumer.len() > MAX_CONSUMER_LEN {
@@ -152,6 +241,10 @@ async fn rollback<DB: Backend>(tx: Transaction<'static, DB>) {
 /// together. Dropping it (a panic, a cancelled future) rolls back, so the key stays unclaimed.
 pub struct Claimed<DB: Backend> {
     tx: Transaction<'static, DB>,
+    consumer: Box<str>,
+    key: MessageKey,
+    statements: Arc<Statements>,
+    metrics: Arc<Metrics>,
 }
 
 impl<DB: Backend> Claimed<DB> {
@@ -160,16 +253,42 @@ impl<DB: Backend> Claimed<DB> {
         &mut self.tx
     }
 
+    /// The claimed key.
+    pub fn key(&self) -> &MessageKey {
+        &self.key
+    }
+
+    /// The key to pass on to an outside service that deduplicates by idempotency key; the same on
+    /// every delivery of this message to this consumer.
+    pub fn idempotency_key(&self) -> IdempotencyKey {
+        IdempotencyKey::new(&self.consumer, &self.key)
+    }
+
     /// Commits the handler's work and the claim together.
     pub async fn commit(self) -> Result<(), InboxError> {
-        self.tx
-            .commit()
-            .await
-            .map_err(InboxError::database(Stage::Commit))
+        let consumer = self.consumer;
+        let key = self.key.digest();
+        match self.tx.commit().await {
+            Ok(()) => {
+                self.metrics.processed();
+                tracing::Span::current().record("outcome", "processed");
+                tracing::debug!(%consumer, %key, "committed");
+                Ok(())
+            }
+            Err(error) => {
+                self.metrics.rolled_back();
+                tracing::Span::current().record("outcome", "commit failed");
+                tracing::warn!(%consumer, %key, %error, "commit failed");
+                Err(InboxError::database(Stage::Commit)(error))
+            }
+        }
     }
 
     /// Rolls back the handler's work and the claim: a redelivery will run the handler again.
     pub async fn rollback(self) {
+        self.metrics.rolled_back();
+        tracing::Span::current().record("outcome", "rolled back");
+        tracing::debug!(consumer = %self.consumer, key = %self.key.digest(), "rolled back");
         rollback(self.tx).await
     }
 
@@ -186,11 +305,39 @@ impl<DB: Backend> Claimed<DB> {
             }
         }
     }
+
+    /// [`finish`](Self::finish), storing the `Ok` value (as JSON) with the inbox row, so that a
+    /// duplicate can return it.
+    pub async fn finish_storing<T: Serialize, E>(
+        mut self,
+        result: Result<T, E>,
+    ) -> Result<Handled<T>, Error<E>> {
+        if let Ok(value) = &result {
+            let response = serde_json::to_vec(value).map_err(|error| {
+                Error::Inbox(InboxError::Response {
+                    source: error.into(),
+                })
+            })?;
+            DB::set_response(
+                &mut self.tx,
+                &self.statements,
+                &self.consumer,
+                self.key.as_bytes(),
+                &response,
+            )
+            .await
+            .map_err(|error| Error::Inbox(InboxError::database(Stage::Claim)(error)))?;
+        }
+        self.finish(result).await
+    }
 }
 
 impl<DB: Backend> fmt::Debug for Claimed<DB> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Claimed").finish_non_exhaustive()
+        f.debug_struct("Claimed")
+            .field("consumer", &self.consumer)
+            .field("key", &self.key)
+            .finish_non_exhaustive()
     }
 }
 
@@ -207,6 +354,9 @@ pub enum Handled<T> {
         consumer: String,
         /// The message's key, as stored.
         key: MessageKey,
+        /// What the first call returned, for handlers with `store_response`; `None` otherwise, and
+        /// for rows stored without a response.
+        response: Option<T>,
     },
 }
 
@@ -228,4 +378,19 @@ impl<T> Handled<T> {
             Handled::Duplicate { .. } => None,
         }
     }
+
+    /// The body's value: this call's, or the first call's stored response.
+    pub fn value(self) -> Option<T> {
+        match self {
+            Handled::Processed(value) => Some(value),
+            Handled::Duplicate { response, .. } => response,
+        }
+    }
+}
+
+/// Decodes a stored response.
+pub(crate) fn decode_response<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, InboxError> {
+    serde_json::from_slice(bytes).map_err(|error| InboxError::Response {
+        source: error.into(),
+    })
 }

@@ -207,6 +207,48 @@ impl MessageKey {
     pub fn is_hashed(&self) -> bool {
         self.stored.first() == Some(&TAG_HASHED)
     }
+
+    /// A short, fixed-length name for the key in logs and traces: the first 12 hex digits of the
+    /// SHA-256 of the stored bytes (keys themselves may be long or sensitive).
+    pub fn digest(&self) -> String {
+        hex(&Sha256::digest(&self.stored)[..6])
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A key to hand on to an outside service that deduplicates requests by an idempotency key (a
+/// payment provider's `Idempotency-Key` header, say): 64 lowercase hex digits, the SHA-256 of the
+/// consumer's name and the stored message key. The same on every delivery of a message to one
+/// consumer, different between consumers and between messages.
+///
+/// A handler receives it by taking a parameter of this type after the message; or build it with
+/// [`IdempotencyKey::new`].
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct IdempotencyKey(String);
+
+impl IdempotencyKey {
+    /// The idempotency key of `key` for `consumer`.
+    pub fn new(consumer: &str, key: &MessageKey) -> Self {
+        let mut hasher = Sha256::new();
+        hasher.update((consumer.len() as u64).to_be_bytes());
+        hasher.update(consumer.as_bytes());
+        hasher.update(&key.stored);
+        Self(hex(&hasher.finalize()))
+    }
+
+    /// The key as text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for IdempotencyKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
 }
 
 impl fmt::Display for MessageKey {

@@ -5,20 +5,26 @@
 #![warn(missing_docs, unreachable_pub)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+pub mod calls;
 mod error;
 mod inbox;
 pub mod key;
 mod markers;
+mod metrics;
+mod retention;
 pub mod store;
 mod table;
 
 #[doc(hidden)]
 pub mod __private;
 
+pub use calls::{CallLease, CallStart};
 pub use error::{Error, InboxError, Stage, is_retryable};
-pub use inbox::{Claimed, Handled, Inbox, InboxFor, MAX_CONSUMER_LEN};
-pub use key::{KeyBuilder, KeyError, MessageKey, StableKey, message_key};
+pub use inbox::{Claim, ClaimOptions, Claimed, Handled, Inbox, InboxFor, MAX_CONSUMER_LEN};
+pub use key::{IdempotencyKey, KeyBuilder, KeyError, MessageKey, StableKey, message_key};
 pub use markers::{CorrelationId, DeliveryTag};
+pub use metrics::MetricsSnapshot;
+pub use retention::{PurgeReport, Purger, PurgerOptions, Retention};
 #[cfg(feature = "mysql")]
 #[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
 pub use store::mysql;

@@ -6,8 +6,8 @@ use crate::error::InboxError;
 
 /// A validated inbox table name: 1 to 48 characters from `a-z`, `0-9` and `_`, not starting with
 /// a digit. It is the only value the inbox ever splices into SQL (quoted), so nothing from
-/// configuration can change a statement; the limit leaves room for the derived index names within
-/// PostgreSQL's 63-byte identifiers.
+/// configuration can change a statement; the limit leaves room for the derived names (the
+/// `<name>_calls` table and the indexes) within PostgreSQL's 63-byte identifiers.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct TableName(String);
 
@@ -54,8 +54,8 @@ impl TableName {
         format!("{quote}{}{quote}", self.0)
     }
 
-    /// The name of one of the table's indexes, quoted likewise.
-    pub(crate) fn quoted_index(&self, suffix: &str, quote: char) -> String {
+    /// The name of a table or index that belongs to this one (`<name>_<suffix>`), quoted likewise.
+    pub(crate) fn quoted_suffixed(&self, suffix: &str, quote: char) -> String {
         format!("{quote}{}_{suffix}{quote}", self.0)
     }
 }

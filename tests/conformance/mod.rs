@@ -19,8 +19,16 @@ pub async fn duplicate_delivery_runs_the_body_once(h: impl Harness) {
     for _ in 0..3 {
         let again = h.deliver(Consumer::Orders, &msg).await.unwrap();
         match again {
-            Handled::Duplicate { consumer, key } => {
+            Handled::Duplicate {
+                consumer,
+                key,
+                response,
+            } => {
                 assert_eq!(consumer, "orders");
+                assert_eq!(
+                    response, None,
+                    "no response is stored without store_response"
+                );
                 assert_eq!(key, message_key("paid-1").unwrap());
             }
             other => panic!("expected a duplicate, got {other:?}"),

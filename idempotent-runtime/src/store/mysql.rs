@@ -14,19 +14,25 @@
 //!     consumer     VARBINARY(200) NOT NULL,
 //!     message_key  VARBINARY(255) NOT NULL,
 //!     processed_at DATETIME(6)    NOT NULL,  -- UTC
+//!     response     LONGBLOB,
+//!     fingerprint  VARBINARY(64),
 //!     PRIMARY KEY (consumer, message_key),
 //!     INDEX `idempotent_inbox_processed_at` (processed_at)
 //! ) ENGINE = InnoDB;
+//! -- and `idempotent_inbox_calls` as on PostgreSQL, with binary names and LONGBLOB results
 //! ```
+//!
+//! Only one instance purges a table at a time: the purger holds `GET_LOCK('idempotent_purge_<table>')`
+//! while it runs.
 //!
 //! Both columns of the key are binary, so they compare byte by byte: no collation folds case or
 //! trailing spaces. Stored keys are at most 64 bytes (see [`key`](crate::key)), consumer names at
 //! most 200, so `INSERT IGNORE` never truncates one.
 
 use sqlx::mysql::MySqlConnection;
-use sqlx::{AssertSqlSafe, MySql, MySqlPool, Transaction};
+use sqlx::{MySql, MySqlPool, Transaction};
 
-use super::{Backend, HandlerConnection, Sealed, Statements};
+use super::{Backend, Dialect, HandlerConnection, PurgeLock, Sealed, run_all, shared_queries};
 use crate::table::TableName;
 
 impl Sealed for MySql {}
@@ -35,66 +41,93 @@ impl HandlerConnection for MySqlConnection {
     type Backend = MySql;
 }
 
+/// The purger's lock name for `table` (MySQL allows 64 characters; table names have at most 48).
+fn purge_lock_name(table: &TableName) -> String {
+    format!("idempotent_purge_{table}")
+}
+
 impl Backend for MySql {
-    fn statements(table: &TableName) -> Statements {
-        let t = table.quoted('`');
-        Statements {
-            claim: format!(
-                "INSERT IGNORE INTO {t} (consumer, message_key, processed_at) VALUES (?, ?, UTC_TIMESTAMP(6))"
-            )
-            .into(),
-            contains: format!("SELECT 1 FROM {t} WHERE consumer = ? AND message_key = ?").into(),
-        }
-    }
+    const DIALECT: Dialect = Dialect {
+        quote: '`',
+        question_marks: true,
+        insert_ignore: "INSERT IGNORE INTO",
+        on_conflict: "",
+        processed_now: "UTC_TIMESTAMP(6)",
+        now_ms: "CAST(UNIX_TIMESTAMP(NOW(6)) * 1000 AS SIGNED)",
+        older_than: "processed_at < UTC_TIMESTAMP(6) - INTERVAL ({} * 1000) MICROSECOND",
+        delete_limit: true,
+    };
 
     async fn begin(pool: &MySqlPool) -> Result<Transaction<'static, MySql>, sqlx::Error> {
         pool.begin().await
     }
 
-    async fn claim(
-        conn: &mut MySqlConnection,
-        statements: &Statements,
-        consumer: &str,
-        key: &[u8],
-    ) -> Result<bool, sqlx::Error> {
-        let done = sqlx::query(AssertSqlSafe(statements.claim.clone()))
-            .bind(consumer)
-            .bind(key)
-            .execute(conn)
-            .await?;
-        Ok(done.rows_affected() == 1)
-    }
-
-    async fn contains(
-        pool: &MySqlPool,
-        statements: &Statements,
-        consumer: &str,
-        key: &[u8],
-    ) -> Result<bool, sqlx::Error> {
-        let row = sqlx::query(AssertSqlSafe(statements.contains.clone()))
-            .bind(consumer)
-            .bind(key)
-            .fetch_optional(pool)
-            .await?;
-        Ok(row.is_some())
-    }
-
     async fn migrate(pool: &MySqlPool, table: &TableName) -> Result<(), sqlx::Error> {
         let t = table.quoted('`');
-        let index = table.quoted_index("processed_at", '`');
-        sqlx::query(AssertSqlSafe(format!(
-            "CREATE TABLE IF NOT EXISTS {t} (
-                consumer     VARBINARY(200) NOT NULL,
-                message_key  VARBINARY(255) NOT NULL,
-                processed_at DATETIME(6)    NOT NULL,
-                PRIMARY KEY (consumer, message_key),
-                INDEX {index} (processed_at)
-            ) ENGINE = InnoDB"
-        )))
-        .execute(pool)
-        .await?;
+        let index = table.quoted_suffixed("processed_at", '`');
+        let calls = table.quoted_suffixed("calls", '`');
+        let mut connection = pool.acquire().await?;
+        run_all!(
+            connection,
+            [
+                format!(
+                    "CREATE TABLE IF NOT EXISTS {t} (
+                        consumer     VARBINARY(200) NOT NULL,
+                        message_key  VARBINARY(255) NOT NULL,
+                        processed_at DATETIME(6)    NOT NULL,
+                        response     LONGBLOB,
+                        fingerprint  VARBINARY(64),
+                        PRIMARY KEY (consumer, message_key),
+                        INDEX {index} (processed_at)
+                    ) ENGINE = InnoDB"
+                ),
+                format!(
+                    "CREATE TABLE IF NOT EXISTS {calls} (
+                        consumer    VARBINARY(200) NOT NULL,
+                        message_key VARBINARY(255) NOT NULL,
+                        call_name   VARBINARY(200) NOT NULL,
+                        fence       BIGINT         NOT NULL,
+                        lease_until BIGINT         NOT NULL,
+                        completed   BOOLEAN        NOT NULL,
+                        result      LONGBLOB,
+                        PRIMARY KEY (consumer, message_key, call_name)
+                    ) ENGINE = InnoDB"
+                ),
+            ]
+        );
         Ok(())
     }
+
+    async fn try_lock_purge(
+        pool: &MySqlPool,
+        table: &TableName,
+    ) -> Result<Option<PurgeLock<MySql>>, sqlx::Error> {
+        let mut connection = pool.acquire().await?;
+        let locked: Option<i64> = sqlx::query_scalar("SELECT GET_LOCK(?, 0)")
+            .bind(purge_lock_name(table))
+            .fetch_one(&mut *connection)
+            .await?;
+        Ok((locked == Some(1)).then_some(PurgeLock {
+            connection: Some(connection),
+        }))
+    }
+
+    async fn unlock_purge(lock: PurgeLock<MySql>, table: &TableName) -> Result<(), sqlx::Error> {
+        if let Some(mut connection) = lock.connection {
+            let unlocked = sqlx::query("SELECT RELEASE_LOCK(?)")
+                .bind(purge_lock_name(table))
+                .execute(&mut *connection)
+                .await;
+            if unlocked.is_err() {
+                // Closing the session releases its locks.
+                connection.close().await?;
+            }
+            unlocked?;
+        }
+        Ok(())
+    }
+
+    shared_queries!(MySqlPool, MySqlConnection);
 }
 
 /// MySQL and MariaDB error numbers worth a retry: deadlock (1213), lock wait timeout (1205), too

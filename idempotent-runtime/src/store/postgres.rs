@@ -11,15 +11,31 @@
 //!     consumer     TEXT        NOT NULL,
 //!     message_key  BYTEA       NOT NULL,
 //!     processed_at TIMESTAMPTZ NOT NULL DEFAULT now(),
+//!     response     BYTEA,      -- the body's value, with store_response
+//!     fingerprint  BYTEA,      -- SHA-256 of the fingerprinted fields
 //!     PRIMARY KEY (consumer, message_key)
 //! );
 //! CREATE INDEX "idempotent_inbox_processed_at" ON "idempotent_inbox" (processed_at);
+//! CREATE TABLE "idempotent_inbox_calls" (
+//!     consumer     TEXT    NOT NULL,
+//!     message_key  BYTEA   NOT NULL,
+//!     call_name    TEXT    NOT NULL,
+//!     fence        BIGINT  NOT NULL,
+//!     lease_until  BIGINT  NOT NULL,  -- the database's clock, Unix milliseconds
+//!     completed    BOOLEAN NOT NULL,
+//!     result       BYTEA,
+//!     PRIMARY KEY (consumer, message_key, call_name)
+//! );
 //! ```
+//!
+//! Only one instance purges a table at a time: the purger holds a session advisory lock derived
+//! from the table's name while it runs.
 
+use sha2::{Digest, Sha256};
 use sqlx::postgres::PgConnection;
-use sqlx::{AssertSqlSafe, PgPool, Postgres, Transaction};
+use sqlx::{PgPool, Postgres, Transaction};
 
-use super::{Backend, HandlerConnection, Sealed, Statements};
+use super::{Backend, Dialect, HandlerConnection, PurgeLock, Sealed, run_all, shared_queries};
 use crate::table::TableName;
 
 /// Serializes concurrent `migrate()` calls, whose `CREATE … IF NOT EXISTS` can otherwise race.
@@ -31,75 +47,98 @@ impl HandlerConnection for PgConnection {
     type Backend = Postgres;
 }
 
+/// The advisory lock of the purger of `table`.
+fn purge_lock_id(table: &TableName) -> i64 {
+    let digest = Sha256::digest(format!("idempotent purge {table}"));
+    i64::from_be_bytes(digest[..8].try_into().expect("8 bytes"))
+}
+
 impl Backend for Postgres {
-    fn statements(table: &TableName) -> Statements {
-        let t = table.quoted('"');
-        Statements {
-            claim: format!(
-                "INSERT INTO {t} (consumer, message_key) VALUES ($1, $2) ON CONFLICT DO NOTHING"
-            )
-            .into(),
-            contains: format!("SELECT 1 FROM {t} WHERE consumer = $1 AND message_key = $2").into(),
-        }
-    }
+    const DIALECT: Dialect = Dialect {
+        quote: '"',
+        question_marks: false,
+        insert_ignore: "INSERT INTO",
+        on_conflict: " ON CONFLICT DO NOTHING",
+        processed_now: "now()",
+        now_ms: "(extract(epoch FROM clock_timestamp()) * 1000)::bigint",
+        older_than: "processed_at < now() - {} * interval '1 millisecond'",
+        delete_limit: false,
+    };
 
     async fn begin(pool: &PgPool) -> Result<Transaction<'static, Postgres>, sqlx::Error> {
         pool.begin().await
     }
 
-    async fn claim(
-        conn: &mut PgConnection,
-        statements: &Statements,
-        consumer: &str,
-        key: &[u8],
-    ) -> Result<bool, sqlx::Error> {
-        let done = sqlx::query(AssertSqlSafe(statements.claim.clone()))
-            .bind(consumer)
-            .bind(key)
-            .execute(conn)
-            .await?;
-        Ok(done.rows_affected() == 1)
-    }
-
-    async fn contains(
-        pool: &PgPool,
-        statements: &Statements,
-        consumer: &str,
-        key: &[u8],
-    ) -> Result<bool, sqlx::Error> {
-        let row = sqlx::query(AssertSqlSafe(statements.contains.clone()))
-            .bind(consumer)
-            .bind(key)
-            .fetch_optional(pool)
-            .await?;
-        Ok(row.is_some())
-    }
-
     async fn migrate(pool: &PgPool, table: &TableName) -> Result<(), sqlx::Error> {
         let t = table.quoted('"');
-        let index = table.quoted_index("processed_at", '"');
+        let index = table.quoted_suffixed("processed_at", '"');
+        let calls = table.quoted_suffixed("calls", '"');
         let mut tx = pool.begin().await?;
         sqlx::query("SELECT pg_advisory_xact_lock($1)")
             .bind(MIGRATE_LOCK)
             .execute(&mut *tx)
             .await?;
-        sqlx::query(AssertSqlSafe(format!(
-            "CREATE TABLE IF NOT EXISTS {t} (
-                consumer     TEXT        NOT NULL,
-                message_key  BYTEA       NOT NULL,
-                processed_at TIMESTAMPTZ NOT NULL DEFAULT now(),
-                PRIMARY KEY (consumer, message_key)
-            )"
-        )))
-        .execute(&mut *tx)
-        .await?;
-        sqlx::query(AssertSqlSafe(format!(
-            "CREATE INDEX IF NOT EXISTS {index} ON {t} (processed_at)"
-        )))
-        .execute(&mut *tx)
-        .await?;
+        run_all!(
+            tx,
+            [
+                format!(
+                    "CREATE TABLE IF NOT EXISTS {t} (
+                        consumer     TEXT        NOT NULL,
+                        message_key  BYTEA       NOT NULL,
+                        processed_at TIMESTAMPTZ NOT NULL DEFAULT now(),
+                        response     BYTEA,
+                        fingerprint  BYTEA,
+                        PRIMARY KEY (consumer, message_key)
+                    )"
+                ),
+                format!("CREATE INDEX IF NOT EXISTS {index} ON {t} (processed_at)"),
+                format!(
+                    "CREATE TABLE IF NOT EXISTS {calls} (
+                        consumer    TEXT    NOT NULL,
+                        message_key BYTEA   NOT NULL,
+                        call_name   TEXT    NOT NULL,
+                        fence       BIGINT  NOT NULL,
+                        lease_until BIGINT  NOT NULL,
+                        completed   BOOLEAN NOT NULL,
+                        result      BYTEA,
+                        PRIMARY KEY (consumer, message_key, call_name)
+                    )"
+                ),
+            ]
+        );
         tx.commit().await
     }
+
+    async fn try_lock_purge(
+        pool: &PgPool,
+        table: &TableName,
+    ) -> Result<Option<PurgeLock<Postgres>>, sqlx::Error> {
+        let mut connection = pool.acquire().await?;
+        let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
+            .bind(purge_lock_id(table))
+            .fetch_one(&mut *connection)
+            .await?;
+        Ok(locked.then_some(PurgeLock {
+            connection: Some(connection),
+        }))
+    }
+
+    async fn unlock_purge(lock: PurgeLock<Postgres>, table: &TableName) -> Result<(), sqlx::Error> {
+        if let Some(mut connection) = lock.connection {
+            let unlocked = sqlx::query("SELECT pg_advisory_unlock($1)")
+                .bind(purge_lock_id(table))
+                .execute(&mut *connection)
+                .await;
+            if unlocked.is_err() {
+                // Closing the session releases its locks.
+                connection.close().await?;
+            }
+            unlocked?;
+        }
+        Ok(())
+    }
+
+    shared_queries!(PgPool, PgConnection);
 }
 
 /// SQLSTATEs worth a retry: serialization failure, deadlock, lock not available, the server

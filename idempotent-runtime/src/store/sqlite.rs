@@ -12,17 +12,20 @@
 //!     consumer     TEXT    NOT NULL,
 //!     message_key  BLOB    NOT NULL,
 //!     processed_at INTEGER NOT NULL,  -- Unix time in milliseconds
+//!     response     BLOB,
+//!     fingerprint  BLOB,
 //!     PRIMARY KEY (consumer, message_key)
 //! ) WITHOUT ROWID;
 //! CREATE INDEX "idempotent_inbox_processed_at" ON "idempotent_inbox" (processed_at);
+//! -- and "idempotent_inbox_calls" as on PostgreSQL, with INTEGER times
 //! ```
 
 use std::str::FromStr;
 
 use sqlx::sqlite::{SqliteConnectOptions, SqliteConnection, SqliteJournalMode};
-use sqlx::{AssertSqlSafe, Sqlite, SqlitePool, Transaction};
+use sqlx::{Sqlite, SqlitePool, Transaction};
 
-use super::{Backend, HandlerConnection, Sealed, Statements};
+use super::{Backend, Dialect, HandlerConnection, PurgeLock, Sealed, run_all, shared_queries};
 use crate::table::TableName;
 
 impl Sealed for Sqlite {}
@@ -77,73 +80,71 @@ impl crate::Inbox<Sqlite> {
     }
 }
 
-const NOW_MILLIS: &str = "CAST(unixepoch('subsec') * 1000 AS INTEGER)";
-
 impl Backend for Sqlite {
-    fn statements(table: &TableName) -> Statements {
-        let t = table.quoted('"');
-        Statements {
-            claim: format!(
-                "INSERT OR IGNORE INTO {t} (consumer, message_key, processed_at) VALUES (?1, ?2, {NOW_MILLIS})"
-            )
-            .into(),
-            contains: format!("SELECT 1 FROM {t} WHERE consumer = ?1 AND message_key = ?2").into(),
-        }
-    }
+    const DIALECT: Dialect = Dialect {
+        quote: '"',
+        question_marks: false,
+        insert_ignore: "INSERT OR IGNORE INTO",
+        on_conflict: "",
+        processed_now: "CAST(unixepoch('subsec') * 1000 AS INTEGER)",
+        now_ms: "CAST(unixepoch('subsec') * 1000 AS INTEGER)",
+        older_than: "processed_at < CAST(unixepoch('subsec') * 1000 AS INTEGER) - {}",
+        delete_limit: false,
+    };
 
     async fn begin(pool: &SqlitePool) -> Result<Transaction<'static, Sqlite>, sqlx::Error> {
         pool.begin_with("BEGIN IMMEDIATE").await
     }
 
-    async fn claim(
-        conn: &mut SqliteConnection,
-        statements: &Statements,
-        consumer: &str,
-        key: &[u8],
-    ) -> Result<bool, sqlx::Error> {
-        let done = sqlx::query(AssertSqlSafe(statements.claim.clone()))
-            .bind(consumer)
-            .bind(key)
-            .execute(conn)
-            .await?;
-        Ok(done.rows_affected() == 1)
-    }
-
-    async fn contains(
-        pool: &SqlitePool,
-        statements: &Statements,
-        consumer: &str,
-        key: &[u8],
-    ) -> Result<bool, sqlx::Error> {
-        let row = sqlx::query(AssertSqlSafe(statements.contains.clone()))
-            .bind(consumer)
-            .bind(key)
-            .fetch_optional(pool)
-            .await?;
-        Ok(row.is_some())
-    }
-
     async fn migrate(pool: &SqlitePool, table: &TableName) -> Result<(), sqlx::Error> {
         let t = table.quoted('"');
-        let index = table.quoted_index("processed_at", '"');
+        let index = table.quoted_suffixed("processed_at", '"');
+        let calls = table.quoted_suffixed("calls", '"');
         let mut tx = pool.begin_with("BEGIN IMMEDIATE").await?;
-        sqlx::query(AssertSqlSafe(format!(
-            "CREATE TABLE IF NOT EXISTS {t} (
-                consumer     TEXT    NOT NULL,
-                message_key  BLOB    NOT NULL,
-                processed_at INTEGER NOT NULL,
-                PRIMARY KEY (consumer, message_key)
-            ) WITHOUT ROWID"
-        )))
-        .execute(&mut *tx)
-        .await?;
-        sqlx::query(AssertSqlSafe(format!(
-            "CREATE INDEX IF NOT EXISTS {index} ON {t} (processed_at)"
-        )))
-        .execute(&mut *tx)
-        .await?;
+        run_all!(
+            tx,
+            [
+                format!(
+                    "CREATE TABLE IF NOT EXISTS {t} (
+                        consumer     TEXT    NOT NULL,
+                        message_key  BLOB    NOT NULL,
+                        processed_at INTEGER NOT NULL,
+                        response     BLOB,
+                        fingerprint  BLOB,
+                        PRIMARY KEY (consumer, message_key)
+                    ) WITHOUT ROWID"
+                ),
+                format!("CREATE INDEX IF NOT EXISTS {index} ON {t} (processed_at)"),
+                format!(
+                    "CREATE TABLE IF NOT EXISTS {calls} (
+                        consumer    TEXT    NOT NULL,
+                        message_key BLOB    NOT NULL,
+                        call_name   TEXT    NOT NULL,
+                        fence       INTEGER NOT NULL,
+                        lease_until INTEGER NOT NULL,
+                        completed   BOOLEAN NOT NULL,
+                        result      BLOB,
+                        PRIMARY KEY (consumer, message_key, call_name)
+                    ) WITHOUT ROWID"
+                ),
+            ]
+        );
         tx.commit().await
     }
+
+    async fn try_lock_purge(
+        _pool: &SqlitePool,
+        _table: &TableName,
+    ) -> Result<Option<PurgeLock<Sqlite>>, sqlx::Error> {
+        // SQLite serializes writers: two purgers only take turns, batch by batch.
+        Ok(Some(PurgeLock { connection: None }))
+    }
+
+    async fn unlock_purge(_lock: PurgeLock<Sqlite>, _table: &TableName) -> Result<(), sqlx::Error> {
+        Ok(())
+    }
+
+    shared_queries!(SqlitePool, SqliteConnection);
 }
 
 /// SQLite result codes worth a retry: `SQLITE_BUSY` and `SQLITE_LOCKED` with any extended code.
