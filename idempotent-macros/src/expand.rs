@@ -73,14 +73,14 @@ fn rewrite(plan: &Plan, mut function: ItemFn) -> TokenStream {
     {
         *param = inbox_param;
     }
-    let hand_over_key = idempotency_key.as_ref().map(|(index, pat)| {
+    let hand_over_key = idempotency_key.as_ref().map(|(index, pat, ty)| {
         function.sig.inputs = std::mem::take(&mut function.sig.inputs)
             .into_iter()
             .enumerate()
             .filter(|(i, _)| i != index)
             .map(|(_, arg)| arg)
             .collect();
-        quote! { let #pat: #private::IdempotencyKey = #claimed.idempotency_key(); }
+        quote! { let #pat: #ty = #claimed.idempotency_key(); }
     });
     function.sig.output = syn::parse_quote_spanned! {declared_output.span()=>
         -> ::core::result::Result<#private::Handled<#ok>, #private::HandlerError<#err>>
@@ -96,7 +96,7 @@ fn rewrite(plan: &Plan, mut function: ItemFn) -> TokenStream {
     };
     let pushes = key.iter().map(|path| {
         let field = field(path);
-        quote! { #builder.push(#field); }
+        quote_spanned! {path.lit.span()=> #builder.push(#field); }
     });
     let fingerprint = match fingerprint {
         None => quote!(::core::option::Option::None),
@@ -104,7 +104,10 @@ fn rewrite(plan: &Plan, mut function: ItemFn) -> TokenStream {
             quote!(::core::option::Option::Some(#private::fingerprint(&#message)))
         }
         Some(fields) => {
-            let fields = fields.iter().map(field);
+            let fields = fields.iter().map(|path| {
+                let field = field(path);
+                quote_spanned! {path.lit.span()=> #private::serializable(#field) }
+            });
             quote!(::core::option::Option::Some(#private::fingerprint(&(#(#fields,)*))))
         }
     };
@@ -114,6 +117,14 @@ fn rewrite(plan: &Plan, mut function: ItemFn) -> TokenStream {
         (quote!(start), quote!(finish))
     };
     let handler_name = function.sig.ident.to_string();
+    // With `store_response`, a body value that cannot be stored is reported on the return type.
+    let finish_span = if *store_response {
+        ok.span()
+    } else {
+        Span::call_site()
+    };
+    let finish = syn::Ident::new(&finish.to_string(), finish_span);
+    let finish_call = quote_spanned! {finish_span=> #claimed.#finish(#result).await };
     let body = &function.block;
     let block = quote! {{
         let #builder = {
@@ -147,7 +158,7 @@ fn rewrite(plan: &Plan, mut function: ItemFn) -> TokenStream {
             }
             .await
         };
-        #claimed.#finish(#result).await
+        #finish_call
         }, #private::handler_span(#consumer, #handler_name)).await
     }};
     function.block = syn::parse2(block).expect("the generated body is a block");

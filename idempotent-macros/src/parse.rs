@@ -110,7 +110,7 @@ pub(crate) fn args(cx: &mut Ctxt, tokens: TokenStream) -> Args {
         };
         let name = &nv.path;
         if name.is_ident("key") {
-            if let Some(key) = key(cx, &nv.value) {
+            if let Some(key) = key(cx, &nv.value, "key") {
                 args.key.set(cx, name, key);
             }
         } else if name.is_ident("consumer") {
@@ -118,7 +118,7 @@ pub(crate) fn args(cx: &mut Ctxt, tokens: TokenStream) -> Args {
                 args.consumer.set(cx, name, lit);
             }
         } else if name.is_ident("fingerprint") {
-            if let Some(fields) = key(cx, &nv.value) {
+            if let Some(fields) = key(cx, &nv.value, "fingerprint") {
                 args.fingerprint.set(cx, name, Fingerprint::Fields(fields));
             }
         } else if name.is_ident("store_response") {
@@ -185,12 +185,12 @@ fn string(cx: &mut Ctxt, value: &Expr, name: &str) -> Option<LitStr> {
     }
 }
 
-fn key(cx: &mut Ctxt, value: &Expr) -> Option<Key> {
+fn key(cx: &mut Ctxt, value: &Expr, name: &str) -> Option<Key> {
     let lits: Vec<&Expr> = match value {
         Expr::Tuple(tuple) if tuple.elems.is_empty() => {
             cx.error_spanned(
                 tuple,
-                "#[idempotent(key = ())] names no field\nhelp: name at least one field of the message",
+                format_args!("#[idempotent({name} = ())] names no field\nhelp: name at least one field of the message"),
             );
             return None;
         }
@@ -206,11 +206,11 @@ fn key(cx: &mut Ctxt, value: &Expr) -> Option<Key> {
         else {
             cx.error_spanned(
                 lit,
-                "#[idempotent(...)] takes a field name as a string, such as \"message_id\", or a tuple of them",
+                format_args!("#[idempotent({name} = ...)] takes a field name as a string, such as \"message_id\", or a tuple of them"),
             );
             continue;
         };
-        if let Some(members) = key_path(cx, lit) {
+        if let Some(members) = key_path(cx, lit, name) {
             paths.push(KeyPath {
                 lit: lit.clone(),
                 members,
@@ -220,7 +220,7 @@ fn key(cx: &mut Ctxt, value: &Expr) -> Option<Key> {
     Some(Key { paths })
 }
 
-fn key_path(cx: &mut Ctxt, lit: &LitStr) -> Option<Vec<Member>> {
+fn key_path(cx: &mut Ctxt, lit: &LitStr, name: &str) -> Option<Vec<Member>> {
     let text = lit.value();
     let mut members = Vec::new();
     for part in text.split('.') {
@@ -242,7 +242,7 @@ fn key_path(cx: &mut Ctxt, lit: &LitStr) -> Option<Vec<Member>> {
                 cx.error_spanned(
                     lit,
                     format_args!(
-                        "#[idempotent(key = {:?})] is not a field path\nhelp: name a field of the message, such as \"message_id\" or \"meta.message_id\"",
+                        "#[idempotent({name} = {:?})] is not a field path\nhelp: name a field of the message, such as \"message_id\" or \"meta.message_id\"",
                         text
                     ),
                 );
@@ -263,7 +263,7 @@ pub(crate) struct Signature {
     pub(crate) output: Output,
     /// A parameter of type `IdempotencyKey`, which the rewritten function fills in: its position
     /// among the inputs, and its pattern.
-    pub(crate) idempotency_key: Option<(usize, Box<Pat>)>,
+    pub(crate) idempotency_key: Option<(usize, Box<Pat>, Box<Type>)>,
 }
 
 /// The connection parameter, `pat: &mut ty`.
@@ -331,7 +331,7 @@ pub(crate) fn signature(sig: &syn::Signature) -> Signature {
                         .last()
                         .is_some_and(|last| last.ident == "IdempotencyKey") =>
                 {
-                    Some((index, param.pat.clone()))
+                    Some((index, param.pat.clone(), param.ty.clone()))
                 }
                 _ => None,
             },

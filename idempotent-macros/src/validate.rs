@@ -28,7 +28,7 @@ pub(crate) struct Plan {
     /// The fields to fingerprint (empty: the whole message), if any.
     pub(crate) fingerprint: Option<Vec<KeyPath>>,
     /// The parameter the idempotency key is handed in.
-    pub(crate) idempotency_key: Option<(usize, Box<syn::Pat>)>,
+    pub(crate) idempotency_key: Option<(usize, Box<syn::Pat>, Box<Type>)>,
 }
 
 /// Checks everything and reports every problem at once.

@@ -43,6 +43,11 @@ pub fn fingerprint<T: Serialize + ?Sized>(value: &T) -> Result<[u8; 32], InboxEr
     Ok(Sha256::digest(json).into())
 }
 
+/// A fingerprinted field, checked to be serializable where the user named it.
+pub fn serializable<T: Serialize + ?Sized>(value: &T) -> &T {
+    value
+}
+
 /// Checks the key and claims it; a duplicate carries no response.
 pub async fn start<DB: Backend, T, E>(
     inbox: &Inbox<DB>,

@@ -12,6 +12,9 @@ use tokio::sync::Notify;
 
 use crate::support::{Behaviour, Consumer, Delivery, Harness};
 
+mod lifecycle;
+pub use lifecycle::*;
+
 pub async fn duplicate_delivery_runs_the_body_once(h: impl Harness) {
     let msg = Delivery::new("paid-1");
     let first = h.deliver(Consumer::Orders, &msg).await.unwrap();
@@ -344,6 +347,18 @@ macro_rules! conformance_tests {
             empty_key_is_refused_before_any_effect
             odd_keys_are_handled_once_each
             migrate_is_idempotent_and_concurrent_safe
+            purge_deletes_expired_rows_in_batches_while_claims_continue
+            retention_is_per_consumer
+            message_redelivered_after_its_row_was_purged_is_processed_again
+            background_purger_deletes_expired_rows
+            duplicate_returns_the_stored_response
+            same_key_with_a_different_payload_is_an_error
+            body_is_handed_a_stable_idempotency_key
+            metrics_count_what_happened
+            call_once_calls_once_and_returns_the_stored_result
+            dropped_call_is_in_progress_until_its_lease_expires_then_taken_over
+            late_writer_is_fenced_off
+            concurrent_call_attempts_make_one_call
         );
     };
     (@cases $new:expr; $($case:ident)*) => {$(

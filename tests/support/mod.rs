@@ -83,6 +83,7 @@ pub enum Consumer {
 }
 
 pub type Outcome = Result<Handled<()>, Error<TestError>>;
+pub type Quote = Result<Handled<String>, Error<TestError>>;
 
 /// One backend with a fresh database: the inbox, the handlers, and ways to look at the effects.
 pub trait Harness {
@@ -106,6 +107,21 @@ pub trait Harness {
     /// Calls the `orders` handler through a second inbox on the same database whose connections
     /// give up waiting for a lock after about a second or less.
     fn deliver_impatiently(&self, msg: &Delivery) -> impl Future<Output = Outcome>;
+
+    /// Calls the `quotes` handler (`store_response`, returns a `String`).
+    fn deliver_quote(&self, msg: &Delivery) -> impl Future<Output = Quote>;
+
+    /// Calls the `payments` handler (`fingerprint = "label"`).
+    fn deliver_payment(&self, msg: &Delivery) -> impl Future<Output = Outcome>;
+
+    /// Calls the `keyed` handler, which records the idempotency key it is handed as its label.
+    fn deliver_keyed(&self, msg: &Delivery) -> impl Future<Output = Outcome>;
+
+    /// Inserts `rows` inbox rows for `consumer` directly, processed now.
+    fn bulk_rows(&self, consumer: &str, rows: usize) -> impl Future<Output = ()>;
+
+    /// Moves the processed time of `consumer`'s rows `by` into the past.
+    fn backdate(&self, consumer: &str, by: std::time::Duration) -> impl Future<Output = ()>;
 
     /// Returns once another connection's claim is waiting on a lock (where the database shows it;
     /// otherwise after a pause long enough for a claim that does not wait to have finished).
@@ -145,6 +161,28 @@ macro_rules! effect_handlers {
         #[idempotent(key = "message_id", consumer = "billing")]
         pub async fn billing(tx: &mut $conn, msg: &Delivery) -> Result<(), TestError> {
             effect(tx, "billing", msg).await
+        }
+
+        #[idempotent(key = "message_id", consumer = "quotes", store_response)]
+        pub async fn quotes(tx: &mut $conn, msg: &Delivery) -> Result<String, TestError> {
+            effect(tx, "quotes", msg).await?;
+            Ok(format!("quote for {}", msg.label))
+        }
+
+        #[idempotent(key = "message_id", consumer = "payments", fingerprint = "label")]
+        pub async fn payments(tx: &mut $conn, msg: &Delivery) -> Result<(), TestError> {
+            effect(tx, "payments", msg).await
+        }
+
+        #[idempotent(key = "message_id", consumer = "keyed")]
+        pub async fn keyed(
+            tx: &mut $conn,
+            msg: &Delivery,
+            key: idempotent::IdempotencyKey,
+        ) -> Result<(), TestError> {
+            let mut msg = msg.clone();
+            msg.label = key.to_string();
+            effect(tx, "keyed", &msg).await
         }
 
         #[idempotent(key = "raw_id", consumer = "orders")]

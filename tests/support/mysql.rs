@@ -6,7 +6,7 @@ use idempotent::Inbox;
 use sqlx::mysql::{MySqlConnectOptions, MySqlPool, MySqlPoolOptions};
 use sqlx::{ConnectOptions, MySql};
 
-use super::{CREATE_EFFECTS, Consumer, Delivery, Harness, Outcome};
+use super::{CREATE_EFFECTS, Consumer, Delivery, Harness, Outcome, Quote};
 
 mod handlers {
     crate::support::effect_handlers!(
@@ -80,6 +80,42 @@ impl Harness for MySqlHarness {
 
     async fn deliver_impatiently(&self, msg: &Delivery) -> Outcome {
         handlers::deliver(&self.impatient, Consumer::Orders, msg).await
+    }
+
+    async fn deliver_quote(&self, msg: &Delivery) -> Quote {
+        handlers::quotes(&self.inbox, msg).await
+    }
+
+    async fn deliver_payment(&self, msg: &Delivery) -> Outcome {
+        handlers::payments(&self.inbox, msg).await
+    }
+
+    async fn deliver_keyed(&self, msg: &Delivery) -> Outcome {
+        handlers::keyed(&self.inbox, msg).await
+    }
+
+    async fn bulk_rows(&self, consumer: &str, rows: usize) {
+        // MariaDB's sequence engine: seq_1_to_N is a table of the numbers 1 to N.
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO idempotent_inbox (consumer, message_key, processed_at)
+             SELECT ?, CAST(seq AS BINARY), UTC_TIMESTAMP(6) FROM seq_1_to_{rows}"
+        )))
+        .bind(consumer)
+        .execute(&self.pool)
+        .await
+        .unwrap();
+    }
+
+    async fn backdate(&self, consumer: &str, by: Duration) {
+        sqlx::query(
+            "UPDATE idempotent_inbox SET processed_at = processed_at - INTERVAL (? * 1000) MICROSECOND
+             WHERE consumer = ?",
+        )
+        .bind(by.as_millis() as i64)
+        .bind(consumer)
+        .execute(&self.pool)
+        .await
+        .unwrap();
     }
 
     async fn effects(&self, label: &str) -> i64 {

@@ -6,7 +6,7 @@ use idempotent::Inbox;
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::{ConnectOptions, Postgres};
 
-use super::{CREATE_EFFECTS, Consumer, Delivery, Harness, Outcome};
+use super::{CREATE_EFFECTS, Consumer, Delivery, Harness, Outcome, Quote};
 
 mod handlers {
     crate::support::effect_handlers!(
@@ -75,6 +75,42 @@ impl Harness for PgHarness {
 
     async fn deliver_impatiently(&self, msg: &Delivery) -> Outcome {
         handlers::deliver(&self.impatient, Consumer::Orders, msg).await
+    }
+
+    async fn deliver_quote(&self, msg: &Delivery) -> Quote {
+        handlers::quotes(&self.inbox, msg).await
+    }
+
+    async fn deliver_payment(&self, msg: &Delivery) -> Outcome {
+        handlers::payments(&self.inbox, msg).await
+    }
+
+    async fn deliver_keyed(&self, msg: &Delivery) -> Outcome {
+        handlers::keyed(&self.inbox, msg).await
+    }
+
+    async fn bulk_rows(&self, consumer: &str, rows: usize) {
+        sqlx::query(
+            "INSERT INTO idempotent_inbox (consumer, message_key)
+             SELECT $1, int8send(g) FROM generate_series(1, $2) g",
+        )
+        .bind(consumer)
+        .bind(rows as i64)
+        .execute(&self.pool)
+        .await
+        .unwrap();
+    }
+
+    async fn backdate(&self, consumer: &str, by: Duration) {
+        sqlx::query(
+            "UPDATE idempotent_inbox SET processed_at = processed_at - $1 * interval '1 millisecond'
+             WHERE consumer = $2",
+        )
+        .bind(by.as_millis() as i64)
+        .bind(consumer)
+        .execute(&self.pool)
+        .await
+        .unwrap();
     }
 
     async fn effects(&self, label: &str) -> i64 {

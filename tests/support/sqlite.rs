@@ -6,7 +6,7 @@ use idempotent::Inbox;
 use sqlx::Sqlite;
 use sqlx::sqlite::{SqlitePool, SqlitePoolOptions};
 
-use super::{CREATE_EFFECTS, Consumer, Delivery, Harness, Outcome};
+use super::{CREATE_EFFECTS, Consumer, Delivery, Harness, Outcome, Quote};
 
 mod handlers {
     crate::support::effect_handlers!(
@@ -74,6 +74,42 @@ impl Harness for SqliteHarness {
 
     async fn deliver_impatiently(&self, msg: &Delivery) -> Outcome {
         handlers::deliver(&self.impatient, Consumer::Orders, msg).await
+    }
+
+    async fn deliver_quote(&self, msg: &Delivery) -> Quote {
+        handlers::quotes(&self.inbox, msg).await
+    }
+
+    async fn deliver_payment(&self, msg: &Delivery) -> Outcome {
+        handlers::payments(&self.inbox, msg).await
+    }
+
+    async fn deliver_keyed(&self, msg: &Delivery) -> Outcome {
+        handlers::keyed(&self.inbox, msg).await
+    }
+
+    async fn bulk_rows(&self, consumer: &str, rows: usize) {
+        sqlx::query(
+            "WITH RECURSIVE n(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM n WHERE x < $2)
+             INSERT INTO idempotent_inbox (consumer, message_key, processed_at)
+             SELECT $1, CAST(x AS BLOB), CAST(unixepoch('subsec') * 1000 AS INTEGER) FROM n",
+        )
+        .bind(consumer)
+        .bind(rows as i64)
+        .execute(&self.pool)
+        .await
+        .unwrap();
+    }
+
+    async fn backdate(&self, consumer: &str, by: Duration) {
+        sqlx::query(
+            "UPDATE idempotent_inbox SET processed_at = processed_at - $1 WHERE consumer = $2",
+        )
+        .bind(by.as_millis() as i64)
+        .bind(consumer)
+        .execute(&self.pool)
+        .await
+        .unwrap();
     }
 
     async fn effects(&self, label: &str) -> i64 {

@@ -42,7 +42,8 @@ impl HandlerConnection for MySqlConnection {
 }
 
 /// The purger's lock name for `table` (MySQL allows 64 characters; table names have at most 48).
-fn purge_lock_name(table: &TableName) -> String {
+#[doc(hidden)]
+pub fn purge_lock_name(table: &TableName) -> String {
     format!("idempotent_purge_{table}")
 }
 

@@ -48,7 +48,8 @@ impl HandlerConnection for PgConnection {
 }
 
 /// The advisory lock of the purger of `table`.
-fn purge_lock_id(table: &TableName) -> i64 {
+#[doc(hidden)]
+pub fn purge_lock_id(table: &TableName) -> i64 {
     let digest = Sha256::digest(format!("idempotent purge {table}"));
     i64::from_be_bytes(digest[..8].try_into().expect("8 bytes"))
 }
