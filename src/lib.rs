@@ -79,6 +79,16 @@
 //! - Keys are stored as bytes, in an injective encoding; encodings over 64 bytes are stored as
 //!   their SHA-256 digest. See [`key`].
 //!
+//! # Lifecycle
+//! - Retention: rows are kept [`Retention::DEFAULT`] (14 days) unless configured;
+//!   [`Inbox::purge_expired`] deletes expired rows in batches and [`Inbox::spawn_purger`] does it in
+//!   the background, one instance at a time.
+//! - Calls to outside services: a handler parameter of type [`IdempotencyKey`] to pass on, and
+//!   [`Inbox::call_once`] for a `pending → completed` record with a lease and a fencing token (see
+//!   [`calls`]).
+//! - `store_response` and `fingerprint` attribute arguments; [`Inbox::metrics`] and a `tracing`
+//!   span per message.
+//!
 //! # Features
 //! - `sqlite` (default): the inbox on SQLite, compiled in.
 //! - `postgres`: the inbox on PostgreSQL.
@@ -100,13 +110,16 @@
 /// |---|---|
 /// | `key` | the message field (or fields) that identify the message; required |
 /// | `consumer` | the name of this consumer's record, so that two services consuming one event each process it once; required, and must not change when the function is renamed |
+/// | `fingerprint`, `fingerprint = ("a", "b")` | store a SHA-256 of the message's (or these fields') JSON; a duplicate with another fingerprint is [`InboxError::FingerprintMismatch`] |
+/// | `store_response` | store the body's `Ok` value; a duplicate returns it in [`Handled::Duplicate`] |
 /// | `allow_unstable_key` | a written reason to accept a key whose name looks unstable |
 /// | `crate` | the path of this crate when the dependency is renamed |
 ///
 /// The function must be an `async fn` (or method taking `&self`) whose first parameter after `self`
 /// is `&mut sqlx::PgConnection`, `&mut sqlx::SqliteConnection` or `&mut sqlx::MySqlConnection`
 /// and whose second is the message,
-/// returning `Result<T, E>` (or an alias of it). It becomes a function that takes
+/// returning `Result<T, E>` (or an alias of it). A parameter of type [`IdempotencyKey`] is filled
+/// in by the rewritten function. It becomes a function that takes
 /// `&InboxFor<Connection>` in place of the connection and returns
 /// `Result<Handled<T>, Error<E>>`; see the [crate docs](crate) for what it does.
 pub use idempotent_macros::idempotent;

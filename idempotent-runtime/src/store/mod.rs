@@ -5,7 +5,7 @@
 //! fingerprint; and a `<table>_calls` table for calls to outside services. What differs is the SQL
 //! dialect ([`Dialect`]), how a transaction begins, the DDL, and how one instance takes the
 //! purger's lock. The statements are built from the dialect in one place ([`Statements`]), and the
-//! code that runs them is the same text for every backend ([`shared_queries!`]).
+//! code that runs them is the same text for every backend (`shared_queries!`).
 
 use std::future::Future;
 use std::sync::Arc;
