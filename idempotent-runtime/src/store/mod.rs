@@ -171,6 +171,7 @@ pub trait HandlerConnection {
 /// (SQLite serializes its writers anyway).
 #[doc(hidden)]
 pub struct PurgeLock<DB: sqlx::Database> {
+    #[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(dead_code))]
     pub(crate) connection: Option<PoolConnection<DB>>,
 }
 
