@@ -18,22 +18,27 @@ async fn postgres_purge_skips_while_another_instance_purges() {
     h.bulk_rows("old", 10).await;
     h.backdate("old", 30 * DAY).await;
     let mut other = h.pool.acquire().await.unwrap();
-    let id = idempotent::postgres::purge_lock_id(h.inbox.table());
-    sqlx::query("SELECT pg_advisory_lock($1)")
-        .bind(id)
-        .execute(&mut *other)
-        .await
-        .unwrap();
+    let key = idempotent::postgres::PURGE_LOCK_KEY;
+    let table = "\"idempotent_inbox\"";
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT pg_advisory_lock({key})"
+    )))
+    .bind(table)
+    .execute(&mut *other)
+    .await
+    .unwrap();
     let report = h.inbox.purge_expired(100).await.unwrap();
     assert!(report.locked_elsewhere);
     assert_eq!(report.deleted, 0);
     assert_eq!(h.inbox_rows().await, 10);
 
-    sqlx::query("SELECT pg_advisory_unlock($1)")
-        .bind(id)
-        .execute(&mut *other)
-        .await
-        .unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT pg_advisory_unlock({key})"
+    )))
+    .bind(table)
+    .execute(&mut *other)
+    .await
+    .unwrap();
     let report = h.inbox.purge_expired(100).await.unwrap();
     assert!(!report.locked_elsewhere);
     assert_eq!(report.deleted, 10);
@@ -45,9 +50,9 @@ async fn mysql_purge_skips_while_another_instance_purges() {
     h.bulk_rows("old", 10).await;
     h.backdate("old", 30 * DAY).await;
     let mut other = h.pool.acquire().await.unwrap();
-    let name = idempotent::mysql::purge_lock_name(h.inbox.table());
-    sqlx::query("SELECT GET_LOCK(?, 0)")
-        .bind(&name)
+    let name = idempotent::mysql::PURGE_LOCK_NAME;
+    sqlx::query(sqlx::AssertSqlSafe(format!("SELECT GET_LOCK({name}, 0)")))
+        .bind("idempotent_inbox")
         .execute(&mut *other)
         .await
         .unwrap();
@@ -55,8 +60,8 @@ async fn mysql_purge_skips_while_another_instance_purges() {
     assert!(report.locked_elsewhere);
     assert_eq!(h.inbox_rows().await, 10);
 
-    sqlx::query("SELECT RELEASE_LOCK(?)")
-        .bind(&name)
+    sqlx::query(sqlx::AssertSqlSafe(format!("SELECT RELEASE_LOCK({name})")))
+        .bind("idempotent_inbox")
         .execute(&mut *other)
         .await
         .unwrap();

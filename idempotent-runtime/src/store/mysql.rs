@@ -22,8 +22,8 @@
 //! -- and `idempotent_inbox_calls` as on PostgreSQL, with binary names and LONGBLOB results
 //! ```
 //!
-//! Only one instance purges a table at a time: the purger holds `GET_LOCK('idempotent_purge_<table>')`
-//! while it runs.
+//! Only one instance purges a table at a time: the purger holds a `GET_LOCK` named after the
+//! database and the table while it runs.
 //!
 //! Both columns of the key are binary, so they compare byte by byte: no collation folds case or
 //! trailing spaces. Stored keys are at most 64 bytes (see [`key`](crate::key)), consumer names at
@@ -41,11 +41,11 @@ impl HandlerConnection for MySqlConnection {
     type Backend = MySql;
 }
 
-/// The purger's lock name for `table` (MySQL allows 64 characters; table names have at most 48).
+/// The purger's lock name, given the table name: named after the database and the table, hashed
+/// to fit MySQL's 64 characters.
 #[doc(hidden)]
-pub fn purge_lock_name(table: &TableName) -> String {
-    format!("idempotent_purge_{table}")
-}
+pub const PURGE_LOCK_NAME: &str =
+    "CONCAT('idempotent_purge_', LEFT(SHA1(CONCAT(DATABASE(), '.', ?)), 40))";
 
 impl Backend for MySql {
     const DIALECT: Dialect = Dialect {
@@ -104,10 +104,12 @@ impl Backend for MySql {
         table: &TableName,
     ) -> Result<Option<PurgeLock<MySql>>, sqlx::Error> {
         let mut connection = pool.acquire().await?;
-        let locked: Option<i64> = sqlx::query_scalar("SELECT GET_LOCK(?, 0)")
-            .bind(purge_lock_name(table))
-            .fetch_one(&mut *connection)
-            .await?;
+        let locked: Option<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "SELECT GET_LOCK({PURGE_LOCK_NAME}, 0)"
+        )))
+        .bind(table.as_str())
+        .fetch_one(&mut *connection)
+        .await?;
         Ok((locked == Some(1)).then_some(PurgeLock {
             connection: Some(connection),
         }))
@@ -115,10 +117,12 @@ impl Backend for MySql {
 
     async fn unlock_purge(lock: PurgeLock<MySql>, table: &TableName) -> Result<(), sqlx::Error> {
         if let Some(mut connection) = lock.connection {
-            let unlocked = sqlx::query("SELECT RELEASE_LOCK(?)")
-                .bind(purge_lock_name(table))
-                .execute(&mut *connection)
-                .await;
+            let unlocked = sqlx::query(sqlx::AssertSqlSafe(format!(
+                "SELECT RELEASE_LOCK({PURGE_LOCK_NAME})"
+            )))
+            .bind(table.as_str())
+            .execute(&mut *connection)
+            .await;
             if unlocked.is_err() {
                 // Closing the session releases its locks.
                 connection.close().await?;

@@ -28,10 +28,9 @@
 //! );
 //! ```
 //!
-//! Only one instance purges a table at a time: the purger holds a session advisory lock derived
-//! from the table's name while it runs.
+//! Only one instance purges a table at a time: the purger holds a session advisory lock on the
+//! table's OID while it runs.
 
-use sha2::{Digest, Sha256};
 use sqlx::postgres::PgConnection;
 use sqlx::{PgPool, Postgres, Transaction};
 
@@ -47,12 +46,10 @@ impl HandlerConnection for PgConnection {
     type Backend = Postgres;
 }
 
-/// The advisory lock of the purger of `table`.
+/// The purger's advisory lock, given the quoted table name: the pair (a constant, the table's
+/// OID), so that tables of the same name in different schemas purge independently.
 #[doc(hidden)]
-pub fn purge_lock_id(table: &TableName) -> i64 {
-    let digest = Sha256::digest(format!("idempotent purge {table}"));
-    i64::from_be_bytes(digest[..8].try_into().expect("8 bytes"))
-}
+pub const PURGE_LOCK_KEY: &str = "1768453, coalesce(to_regclass($1)::oid::int, 0)";
 
 impl Backend for Postgres {
     const DIALECT: Dialect = Dialect {
@@ -115,10 +112,12 @@ impl Backend for Postgres {
         table: &TableName,
     ) -> Result<Option<PurgeLock<Postgres>>, sqlx::Error> {
         let mut connection = pool.acquire().await?;
-        let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
-            .bind(purge_lock_id(table))
-            .fetch_one(&mut *connection)
-            .await?;
+        let locked: bool = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "SELECT pg_try_advisory_lock({PURGE_LOCK_KEY})"
+        )))
+        .bind(table.quoted('"'))
+        .fetch_one(&mut *connection)
+        .await?;
         Ok(locked.then_some(PurgeLock {
             connection: Some(connection),
         }))
@@ -126,10 +125,12 @@ impl Backend for Postgres {
 
     async fn unlock_purge(lock: PurgeLock<Postgres>, table: &TableName) -> Result<(), sqlx::Error> {
         if let Some(mut connection) = lock.connection {
-            let unlocked = sqlx::query("SELECT pg_advisory_unlock($1)")
-                .bind(purge_lock_id(table))
-                .execute(&mut *connection)
-                .await;
+            let unlocked = sqlx::query(sqlx::AssertSqlSafe(format!(
+                "SELECT pg_advisory_unlock({PURGE_LOCK_KEY})"
+            )))
+            .bind(table.quoted('"'))
+            .execute(&mut *connection)
+            .await;
             if unlocked.is_err() {
                 // Closing the session releases its locks.
                 connection.close().await?;
