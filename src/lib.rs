@@ -125,10 +125,10 @@
 pub use idempotent_macros::idempotent;
 
 pub use idempotent_runtime::{
-    Backend, CallLease, CallStart, Claim, ClaimOptions, Claimed, CorrelationId, DeliveryTag, Error,
-    Handled, HandlerConnection, IdempotencyKey, Inbox, InboxError, InboxFor, KeyBuilder, KeyError,
-    MAX_CONSUMER_LEN, MessageKey, MetricsSnapshot, PurgeReport, Purger, PurgerOptions, Retention,
-    StableKey, Stage, TableName, calls, is_retryable, key, message_key,
+    Backend, CallLease, CallStart, Claim, ClaimOptions, Claimed, ClaimedBatch, CorrelationId,
+    DeliveryTag, Error, Handled, HandlerConnection, IdempotencyKey, Inbox, InboxError, InboxFor,
+    KeyBuilder, KeyError, MAX_CONSUMER_LEN, MessageKey, MetricsSnapshot, PurgeReport, Purger,
+    PurgerOptions, Retention, StableKey, Stage, TableName, calls, is_retryable, key, message_key,
 };
 
 #[cfg(feature = "mysql")]

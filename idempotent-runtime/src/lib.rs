@@ -5,6 +5,7 @@
 #![warn(missing_docs, unreachable_pub)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+mod batch;
 pub mod calls;
 mod error;
 mod inbox;
@@ -18,6 +19,7 @@ mod table;
 #[doc(hidden)]
 pub mod __private;
 
+pub use batch::ClaimedBatch;
 pub use calls::{CallLease, CallStart};
 pub use error::{Error, InboxError, Stage, is_retryable};
 pub use inbox::{Claim, ClaimOptions, Claimed, Handled, Inbox, InboxFor, MAX_CONSUMER_LEN};

@@ -12,7 +12,9 @@ use tokio::sync::Notify;
 
 use crate::support::{Behaviour, Consumer, Delivery, Harness};
 
+mod batch;
 mod lifecycle;
+pub use batch::*;
 pub use lifecycle::*;
 
 pub async fn duplicate_delivery_runs_the_body_once(h: impl Harness) {
@@ -359,6 +361,9 @@ macro_rules! conformance_tests {
             dropped_call_is_in_progress_until_its_lease_expires_then_taken_over
             late_writer_is_fenced_off
             concurrent_call_attempts_make_one_call
+            batch_runs_the_body_only_for_new_keys
+            failing_body_rolls_back_the_whole_batch
+            overlapping_concurrent_batches_have_one_effect_each
         );
     };
     (@cases $new:expr; $($case:ident)*) => {$(

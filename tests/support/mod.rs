@@ -117,6 +117,12 @@ pub trait Harness {
     /// Calls the `keyed` handler, which records the idempotency key it is handed as its label.
     fn deliver_keyed(&self, msg: &Delivery) -> impl Future<Output = Outcome>;
 
+    /// Handles `msgs` as one batch for the consumer `batch`.
+    fn deliver_batch(
+        &self,
+        msgs: &[Delivery],
+    ) -> impl Future<Output = Result<Vec<Handled<()>>, Error<TestError>>>;
+
     /// Inserts `rows` inbox rows for `consumer` directly, processed now.
     fn bulk_rows(&self, consumer: &str, rows: usize) -> impl Future<Output = ()>;
 
@@ -188,6 +194,20 @@ macro_rules! effect_handlers {
         #[idempotent(key = "raw_id", consumer = "orders")]
         pub async fn orders_by_raw_id(tx: &mut $conn, msg: &Delivery) -> Result<(), TestError> {
             effect(tx, "orders", msg).await
+        }
+
+        pub(crate) async fn deliver_batch(
+            inbox: &idempotent::InboxFor<$conn>,
+            msgs: &[Delivery],
+        ) -> Result<Vec<idempotent::Handled<()>>, idempotent::Error<TestError>> {
+            inbox
+                .handle_batch(
+                    "batch",
+                    msgs,
+                    |msg| &msg.message_id,
+                    async |tx: &mut $conn, msg: &Delivery| effect(tx, "batch", msg).await,
+                )
+                .await
         }
 
         pub(crate) async fn deliver(

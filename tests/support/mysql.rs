@@ -82,6 +82,13 @@ impl Harness for MySqlHarness {
         handlers::deliver(&self.impatient, Consumer::Orders, msg).await
     }
 
+    async fn deliver_batch(
+        &self,
+        msgs: &[Delivery],
+    ) -> Result<Vec<idempotent::Handled<()>>, idempotent::Error<super::TestError>> {
+        handlers::deliver_batch(&self.inbox, msgs).await
+    }
+
     async fn deliver_quote(&self, msg: &Delivery) -> Quote {
         handlers::quotes(&self.inbox, msg).await
     }

@@ -77,6 +77,13 @@ impl Harness for PgHarness {
         handlers::deliver(&self.impatient, Consumer::Orders, msg).await
     }
 
+    async fn deliver_batch(
+        &self,
+        msgs: &[Delivery],
+    ) -> Result<Vec<idempotent::Handled<()>>, idempotent::Error<super::TestError>> {
+        handlers::deliver_batch(&self.inbox, msgs).await
+    }
+
     async fn deliver_quote(&self, msg: &Delivery) -> Quote {
         handlers::quotes(&self.inbox, msg).await
     }

@@ -87,6 +87,17 @@ pub trait Backend: sqlx::Database + Sealed {
     ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send + 'a;
 
     #[doc(hidden)]
+    /// Claims every key of `keys` (sorted, without repeats) for `consumer` in one transaction, in
+    /// key order so that two batches with overlapping keys wait for each other instead of
+    /// deadlocking; returns the keys this call inserted.
+    fn claim_batch<'a>(
+        conn: &'a mut Self::Connection,
+        statements: &'a Statements,
+        consumer: &'a str,
+        keys: &'a [&'a [u8]],
+    ) -> impl Future<Output = Result<Vec<Vec<u8>>, sqlx::Error>> + Send + 'a;
+
+    #[doc(hidden)]
     /// Stores the body's serialized response on the claimed row, in the handler's transaction.
     fn set_response<'a>(
         conn: &'a mut Self::Connection,
@@ -322,6 +333,11 @@ impl Statements {
             call_take_over: call_take_over.into(),
             call_complete: call_complete.into(),
         }
+    }
+
+    /// `template` with `{t}` replaced by the quoted table name.
+    pub(crate) fn table_sql(&self, template: &str) -> String {
+        template.replace("{t}", &self.table)
     }
 
     /// Deletes up to a bound number of rows processed more than a bound number of milliseconds

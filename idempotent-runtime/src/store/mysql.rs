@@ -32,7 +32,9 @@
 use sqlx::mysql::MySqlConnection;
 use sqlx::{MySql, MySqlPool, Transaction};
 
-use super::{Backend, Dialect, HandlerConnection, PurgeLock, Sealed, run_all, shared_queries};
+use super::{
+    Backend, Dialect, HandlerConnection, PurgeLock, Sealed, Statements, run_all, shared_queries,
+};
 use crate::table::TableName;
 
 impl Sealed for MySql {}
@@ -97,6 +99,22 @@ impl Backend for MySql {
             ]
         );
         Ok(())
+    }
+
+    async fn claim_batch(
+        conn: &mut MySqlConnection,
+        statements: &Statements,
+        consumer: &str,
+        keys: &[&[u8]],
+    ) -> Result<Vec<Vec<u8>>, sqlx::Error> {
+        // MySQL has no INSERT … RETURNING: one claim per key, in key order, in the transaction.
+        let mut inserted = Vec::new();
+        for key in keys {
+            if Self::claim(conn, statements, consumer, key, None).await? {
+                inserted.push(key.to_vec());
+            }
+        }
+        Ok(inserted)
     }
 
     async fn try_lock_purge(

@@ -34,7 +34,9 @@
 use sqlx::postgres::PgConnection;
 use sqlx::{PgPool, Postgres, Transaction};
 
-use super::{Backend, Dialect, HandlerConnection, PurgeLock, Sealed, run_all, shared_queries};
+use super::{
+    Backend, Dialect, HandlerConnection, PurgeLock, Sealed, Statements, run_all, shared_queries,
+};
 use crate::table::TableName;
 
 /// Serializes concurrent `migrate()` calls, whose `CREATE … IF NOT EXISTS` can otherwise race.
@@ -105,6 +107,24 @@ impl Backend for Postgres {
             ]
         );
         tx.commit().await
+    }
+
+    async fn claim_batch(
+        conn: &mut PgConnection,
+        statements: &Statements,
+        consumer: &str,
+        keys: &[&[u8]],
+    ) -> Result<Vec<Vec<u8>>, sqlx::Error> {
+        let keys: Vec<Vec<u8>> = keys.iter().map(|k| k.to_vec()).collect();
+        sqlx::query_scalar(sqlx::AssertSqlSafe(statements.table_sql(
+            "INSERT INTO {t} (consumer, message_key) \
+             SELECT $1, k FROM unnest($2::bytea[]) AS u(k) ORDER BY k \
+             ON CONFLICT DO NOTHING RETURNING message_key",
+        )))
+        .bind(consumer)
+        .bind(keys)
+        .fetch_all(conn)
+        .await
     }
 
     async fn try_lock_purge(

@@ -25,7 +25,9 @@ use std::str::FromStr;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteConnection, SqliteJournalMode};
 use sqlx::{Sqlite, SqlitePool, Transaction};
 
-use super::{Backend, Dialect, HandlerConnection, PurgeLock, Sealed, run_all, shared_queries};
+use super::{
+    Backend, Dialect, HandlerConnection, PurgeLock, Sealed, Statements, run_all, shared_queries,
+};
 use crate::table::TableName;
 
 impl Sealed for Sqlite {}
@@ -130,6 +132,37 @@ impl Backend for Sqlite {
             ]
         );
         tx.commit().await
+    }
+
+    async fn claim_batch(
+        conn: &mut SqliteConnection,
+        statements: &Statements,
+        consumer: &str,
+        keys: &[&[u8]],
+    ) -> Result<Vec<Vec<u8>>, sqlx::Error> {
+        // SQLite binds at most 32766 parameters per statement.
+        let mut inserted = Vec::new();
+        for chunk in keys.chunks(10_000) {
+            let values: Vec<String> = (0..chunk.len())
+                .map(|i| {
+                    format!(
+                        "($1, ${}, CAST(unixepoch('subsec') * 1000 AS INTEGER))",
+                        i + 2
+                    )
+                })
+                .collect();
+            let sql = statements.table_sql(&format!(
+                "INSERT OR IGNORE INTO {{t}} (consumer, message_key, processed_at) VALUES {} \
+                 RETURNING message_key",
+                values.join(", ")
+            ));
+            let mut query = sqlx::query_scalar(sqlx::AssertSqlSafe(sql)).bind(consumer);
+            for key in chunk {
+                query = query.bind(*key);
+            }
+            inserted.extend(query.fetch_all(&mut *conn).await?);
+        }
+        Ok(inserted)
     }
 
     async fn try_lock_purge(
