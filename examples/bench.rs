@@ -1,0 +1,626 @@
+//! What the inbox costs per message, measured against the alternatives in one run, on the same
+//! database, pool size and messages; prints a table and writes `target/bench.svg`.
+//!
+//! ```text
+//! cargo run --release --example bench --features postgres            # PostgreSQL (IDEMPOTENT_PG_URL) and SQLite
+//! cargo run --release --example bench --features postgres -- --big-inbox 10000000 --purge 1000000
+//! ```
+//!
+//! The handler's work is one `UPDATE` of a random row of 10,000. The variants:
+//! (a) no inbox, its own transaction: fast, and wrong under duplicates;
+//! (b) the `#[idempotent]` handler;
+//! (c) the background article's check-then-insert: `SELECT` the key, `UPDATE`, `INSERT` the key,
+//!     retrying on a unique violation.
+//! Each runs with 1, 4 and 16 workers (a pool of as many connections), with 0% and 20% of the
+//! deliveries duplicates of earlier ones. Ratios, not absolute times, are the result.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use idempotent::Inbox;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+const ACCOUNTS: i64 = 10_000;
+
+/// One delivery of a message.
+#[derive(Clone)]
+pub struct Transfer {
+    pub message_id: uuid::Uuid,
+    pub account: i64,
+}
+
+macro_rules! variants_on {
+    ($conn:ty, $db:ty, $checked_insert:literal) => {
+        use super::Transfer;
+        use idempotent::idempotent;
+
+        /// (a) no inbox.
+        pub async fn plain(pool: &sqlx::Pool<$db>, msg: &Transfer) -> Result<(), sqlx::Error> {
+            let mut tx = pool.begin().await?;
+            sqlx::query("UPDATE accounts SET balance = balance + 1 WHERE id = $1")
+                .bind(msg.account)
+                .execute(&mut *tx)
+                .await?;
+            tx.commit().await
+        }
+
+        /// (b) the inbox.
+        #[idempotent(key = "message_id", consumer = "bench")]
+        pub async fn inbox(tx: &mut $conn, msg: &Transfer) -> Result<(), sqlx::Error> {
+            sqlx::query("UPDATE accounts SET balance = balance + 1 WHERE id = $1")
+                .bind(msg.account)
+                .execute(&mut *tx)
+                .await?;
+            Ok(())
+        }
+
+        /// (c) check, then insert, relying on the unique index and retrying on a violation (and,
+        /// as a consumer would redeliver it, on a busy SQLite: a deferred transaction that read
+        /// first cannot wait for the write lock).
+        pub async fn check_then_insert(
+            pool: &sqlx::Pool<$db>,
+            msg: &Transfer,
+        ) -> Result<(), sqlx::Error> {
+            loop {
+                match check_then_insert_once(pool, msg).await {
+                    Err(e) if idempotent::is_retryable(&e) => continue,
+                    other => return other,
+                }
+            }
+        }
+
+        async fn check_then_insert_once(
+            pool: &sqlx::Pool<$db>,
+            msg: &Transfer,
+        ) -> Result<(), sqlx::Error> {
+            let key = idempotent::message_key(&msg.message_id).expect("a UUID key");
+            loop {
+                let mut tx = pool.begin().await?;
+                let seen: Option<i32> = sqlx::query_scalar(
+                    "SELECT 1 FROM idempotent_inbox WHERE consumer = 'bench' AND message_key = $1",
+                )
+                .bind(key.as_bytes())
+                .fetch_optional(&mut *tx)
+                .await?;
+                if seen.is_some() {
+                    return Ok(());
+                }
+                sqlx::query("UPDATE accounts SET balance = balance + 1 WHERE id = $1")
+                    .bind(msg.account)
+                    .execute(&mut *tx)
+                    .await?;
+                let inserted = sqlx::query($checked_insert)
+                    .bind(key.as_bytes())
+                    .execute(&mut *tx)
+                    .await;
+                match inserted {
+                    Ok(_) => return tx.commit().await,
+                    Err(sqlx::Error::Database(e)) if e.is_unique_violation() => continue,
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+    };
+}
+
+mod on_postgres {
+    variants_on!(
+        sqlx::PgConnection,
+        sqlx::Postgres,
+        "INSERT INTO idempotent_inbox (consumer, message_key) VALUES ('bench', $1)"
+    );
+}
+
+mod on_sqlite {
+    variants_on!(
+        sqlx::SqliteConnection,
+        sqlx::Sqlite,
+        "INSERT INTO idempotent_inbox (consumer, message_key, processed_at) \
+         VALUES ('bench', $1, CAST(unixepoch('subsec') * 1000 AS INTEGER))"
+    );
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Variant {
+    Plain,
+    Inbox,
+    CheckThenInsert,
+}
+
+/// One measurement: deliveries per second, and latency percentiles.
+#[derive(Clone, Debug)]
+struct Measured {
+    backend: &'static str,
+    workers: usize,
+    duplicates: u32,
+    variant: Variant,
+    per_second: f64,
+    p50: Duration,
+    p99: Duration,
+}
+
+/// `count` deliveries of which `share` percent repeat an earlier message.
+fn deliveries(count: usize, share: u32, seed: u64) -> Vec<Transfer> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut out: Vec<Transfer> = Vec::with_capacity(count);
+    for i in 0..count {
+        if i > 0 && rng.random_range(0..100) < share {
+            let earlier = out[rng.random_range(0..i)].clone();
+            out.push(earlier);
+        } else {
+            out.push(Transfer {
+                message_id: uuid::Uuid::from_u128(rng.random()),
+                account: rng.random_range(1..=ACCOUNTS),
+            });
+        }
+    }
+    out
+}
+
+/// Runs `deliveries` through `handle` on `workers` tasks; returns throughput and latencies.
+async fn drive<F, Fut>(
+    deliveries: Arc<Vec<Transfer>>,
+    workers: usize,
+    handle: F,
+) -> (f64, Vec<Duration>)
+where
+    F: Fn(Transfer) -> Fut + Clone + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send,
+{
+    let next = Arc::new(AtomicUsize::new(0));
+    let started = Instant::now();
+    let tasks: Vec<_> = (0..workers)
+        .map(|_| {
+            let (next, deliveries, handle) = (next.clone(), deliveries.clone(), handle.clone());
+            tokio::spawn(async move {
+                let mut latencies = Vec::new();
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(msg) = deliveries.get(i) else { break };
+                    let t = Instant::now();
+                    handle(msg.clone()).await;
+                    latencies.push(t.elapsed());
+                }
+                latencies
+            })
+        })
+        .collect();
+    let mut latencies = Vec::new();
+    for task in tasks {
+        latencies.extend(task.await.expect("a worker panicked"));
+    }
+    let elapsed = started.elapsed();
+    latencies.sort_unstable();
+    (deliveries.len() as f64 / elapsed.as_secs_f64(), latencies)
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    sorted[((sorted.len() - 1) as f64 * p) as usize]
+}
+
+async fn reset<DB: idempotent::Backend>(pool: &sqlx::Pool<DB>)
+where
+    for<'c> &'c sqlx::Pool<DB>: sqlx::Executor<'c, Database = DB>,
+{
+    sqlx::raw_sql("DELETE FROM idempotent_inbox")
+        .execute(pool)
+        .await
+        .unwrap();
+}
+
+fn arg(name: &str) -> Option<String> {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1).cloned())
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let count: usize = arg("--messages").map_or(Ok(3000), |v| v.parse())?;
+    let pg_url = std::env::var("IDEMPOTENT_PG_URL")
+        .or_else(|_| std::env::var("DATABASE_URL"))
+        .expect("IDEMPOTENT_PG_URL: a PostgreSQL to measure on");
+    let mut results = Vec::new();
+
+    // PostgreSQL.
+    let pg_db = fresh_postgres(&pg_url).await;
+    for workers in [1, 4, 16] {
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(workers as u32)
+            .connect(&pg_db)
+            .await?;
+        setup(&pool, "BIGINT").await;
+        let inbox = Inbox::new(pool.clone());
+        inbox.migrate().await?;
+        for share in [0, 20] {
+            let batch = Arc::new(deliveries(count, share, 7 + workers as u64));
+            for variant in [Variant::Plain, Variant::Inbox, Variant::CheckThenInsert] {
+                reset(&pool).await;
+                let (pool, inbox) = (pool.clone(), inbox.clone());
+                let (per_second, latencies) = drive(batch.clone(), workers, move |msg| {
+                    let (pool, inbox) = (pool.clone(), inbox.clone());
+                    async move {
+                        match variant {
+                            Variant::Plain => on_postgres::plain(&pool, &msg).await.unwrap(),
+                            Variant::Inbox => drop(on_postgres::inbox(&inbox, &msg).await.unwrap()),
+                            Variant::CheckThenInsert => {
+                                on_postgres::check_then_insert(&pool, &msg).await.unwrap()
+                            }
+                        }
+                    }
+                })
+                .await;
+                results.push(Measured {
+                    backend: "PostgreSQL",
+                    workers,
+                    duplicates: share,
+                    variant,
+                    per_second,
+                    p50: percentile(&latencies, 0.5),
+                    p99: percentile(&latencies, 0.99),
+                });
+            }
+        }
+        pool.close().await;
+    }
+
+    // SQLite, a file in WAL mode.
+    let dir = tempfile::tempdir()?;
+    let sqlite_url = format!("sqlite://{}", dir.path().join("bench.db").display());
+    for workers in [1, 4, 16] {
+        let pool = sqlx::sqlite::SqlitePoolOptions::new()
+            .max_connections(workers as u32)
+            .connect_with(idempotent::sqlite::connect_options(&sqlite_url)?)
+            .await?;
+        sqlx::raw_sql("DROP TABLE IF EXISTS accounts")
+            .execute(&pool)
+            .await?;
+        setup(&pool, "INTEGER").await;
+        let inbox = Inbox::new(pool.clone());
+        inbox.migrate().await?;
+        for share in [0, 20] {
+            let batch = Arc::new(deliveries(count / 2, share, 7 + workers as u64));
+            for variant in [Variant::Plain, Variant::Inbox, Variant::CheckThenInsert] {
+                reset(&pool).await;
+                let (pool, inbox) = (pool.clone(), inbox.clone());
+                let (per_second, latencies) = drive(batch.clone(), workers, move |msg| {
+                    let (pool, inbox) = (pool.clone(), inbox.clone());
+                    async move {
+                        match variant {
+                            Variant::Plain => on_sqlite::plain(&pool, &msg).await.unwrap(),
+                            Variant::Inbox => drop(on_sqlite::inbox(&inbox, &msg).await.unwrap()),
+                            Variant::CheckThenInsert => {
+                                on_sqlite::check_then_insert(&pool, &msg).await.unwrap()
+                            }
+                        }
+                    }
+                })
+                .await;
+                results.push(Measured {
+                    backend: "SQLite",
+                    workers,
+                    duplicates: share,
+                    variant,
+                    per_second,
+                    p50: percentile(&latencies, 0.5),
+                    p99: percentile(&latencies, 0.99),
+                });
+            }
+        }
+        pool.close().await;
+    }
+
+    print_table(&results);
+    extras(&pg_db, count).await?;
+    Ok(())
+}
+
+async fn setup<DB: idempotent::Backend>(pool: &sqlx::Pool<DB>, int: &str)
+where
+    for<'c> &'c sqlx::Pool<DB>: sqlx::Executor<'c, Database = DB>,
+{
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "CREATE TABLE IF NOT EXISTS accounts (id {int} PRIMARY KEY, balance {int} NOT NULL);
+         DELETE FROM accounts;
+         WITH RECURSIVE n(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM n WHERE x < {ACCOUNTS})
+         INSERT INTO accounts (id, balance) SELECT x, 0 FROM n;"
+    )))
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+async fn fresh_postgres(base: &str) -> String {
+    use sqlx::Connection;
+    let name = format!("bench_{}", uuid::Uuid::new_v4().simple());
+    let mut admin = sqlx::PgConnection::connect(base).await.expect("PostgreSQL");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+        .execute(&mut admin)
+        .await
+        .unwrap();
+    let (prefix, _) = base.rsplit_once('/').expect("a database in the URL");
+    format!("{prefix}/{name}")
+}
+
+fn print_table(results: &[Measured]) {
+    println!(
+        "\n{:<11} {:>7} {:>5}  {:>20} {:>20} {:>20}  {:>7} {:>7}",
+        "backend",
+        "workers",
+        "dup%",
+        "(a) no inbox",
+        "(b) #[idempotent]",
+        "(c) check-then-ins.",
+        "b/a",
+        "b/c"
+    );
+    println!(
+        "{:<11} {:>7} {:>5}  {:>20} {:>20} {:>20}",
+        "", "", "", "msg/s p50 p99 ms", "msg/s p50 p99 ms", "msg/s p50 p99 ms"
+    );
+    for row in results.chunks(3) {
+        let cell = |m: &Measured| {
+            format!(
+                "{:>6.0} {:>5.2} {:>5.2}",
+                m.per_second,
+                m.p50.as_secs_f64() * 1e3,
+                m.p99.as_secs_f64() * 1e3
+            )
+        };
+        let (a, b, c) = (&row[0], &row[1], &row[2]);
+        println!(
+            "{:<11} {:>7} {:>5}  {:>20} {:>20} {:>20}  {:>7.2} {:>7.2}",
+            a.backend,
+            a.workers,
+            a.duplicates,
+            cell(a),
+            cell(b),
+            cell(c),
+            b.per_second / a.per_second,
+            b.per_second / c.per_second
+        );
+    }
+    write_plot(results);
+}
+
+/// Throughput of each variant by workers, one panel per backend and duplicate share, as SVG.
+fn write_plot(results: &[Measured]) {
+    use plotters::prelude::*;
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/bench.svg");
+    let root = SVGBackend::new(&path, (1000, 700)).into_drawing_area();
+    root.fill(&WHITE).unwrap();
+    let panels = root.split_evenly((2, 2));
+    let keys = [
+        ("PostgreSQL", 0),
+        ("PostgreSQL", 20),
+        ("SQLite", 0),
+        ("SQLite", 20),
+    ];
+    for (panel, (backend, share)) in panels.iter().zip(keys) {
+        let rows: Vec<&Measured> = results
+            .iter()
+            .filter(|m| m.backend == backend && m.duplicates == share)
+            .collect();
+        let top = rows.iter().map(|m| m.per_second).fold(0.0, f64::max) * 1.15;
+        let mut chart = ChartBuilder::on(panel)
+            .caption(
+                format!("{backend}, {share}% duplicates"),
+                ("sans-serif", 18),
+            )
+            .margin(10)
+            .x_label_area_size(30)
+            .y_label_area_size(50)
+            .build_cartesian_2d(0f64..17f64, 0f64..top)
+            .unwrap();
+        chart
+            .configure_mesh()
+            .x_desc("workers")
+            .y_desc("messages/s")
+            .draw()
+            .unwrap();
+        for (variant, color, name) in [
+            (Variant::Plain, BLUE, "(a) no inbox"),
+            (Variant::Inbox, RED, "(b) #[idempotent]"),
+            (Variant::CheckThenInsert, GREEN, "(c) check-then-insert"),
+        ] {
+            let points: Vec<(f64, f64)> = rows
+                .iter()
+                .filter(|m| m.variant == variant)
+                .map(|m| (m.workers as f64, m.per_second))
+                .collect();
+            chart
+                .draw_series(LineSeries::new(points.clone(), color.stroke_width(2)))
+                .unwrap()
+                .label(name)
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 15, y)], color));
+            chart
+                .draw_series(
+                    points
+                        .into_iter()
+                        .map(|p| Circle::new(p, 3, color.filled())),
+                )
+                .unwrap();
+        }
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .draw()
+            .unwrap();
+    }
+    root.present().unwrap();
+    println!("\nplot: {}", path.display());
+}
+
+/// Batches, a large inbox, a purge during the run, and pgbench as the physical limit; all on
+/// PostgreSQL with 8 workers.
+async fn extras(url: &str, count: usize) -> Result<(), Box<dyn std::error::Error>> {
+    const WORKERS: usize = 8;
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(WORKERS as u32)
+        .connect(url)
+        .await?;
+    let inbox = Inbox::new(pool.clone());
+    let run = |inbox: Inbox<sqlx::Postgres>, seed: u64| {
+        let batch = Arc::new(deliveries(count, 0, seed));
+        async move {
+            drive(batch, WORKERS, move |msg| {
+                let inbox = inbox.clone();
+                async move { drop(on_postgres::inbox(&inbox, &msg).await.unwrap()) }
+            })
+            .await
+        }
+    };
+    println!("\nPostgreSQL, {WORKERS} workers, no duplicates:");
+    reset(&pool).await;
+    let (single, _) = run(inbox.clone(), 11).await;
+    println!("  (b) one message per transaction   {single:>8.0} msg/s");
+
+    // Batches of 100: one claim statement, one commit.
+    reset(&pool).await;
+    let messages = Arc::new(deliveries(count * 10, 0, 12));
+    // Each batch updates its accounts in id order, so that two batches wait for each other's row
+    // locks instead of deadlocking: the user's side of what the inbox does for its keys.
+    let chunks: Arc<Vec<Vec<Transfer>>> = Arc::new(
+        messages
+            .chunks(100)
+            .map(|chunk| {
+                let mut chunk = chunk.to_vec();
+                chunk.sort_by_key(|m| m.account);
+                chunk
+            })
+            .collect(),
+    );
+    let next = Arc::new(AtomicUsize::new(0));
+    let started = Instant::now();
+    let tasks: Vec<_> = (0..WORKERS)
+        .map(|_| {
+            let (next, chunks, inbox) = (next.clone(), chunks.clone(), inbox.clone());
+            tokio::spawn(async move {
+                while let Some(chunk) = chunks.get(next.fetch_add(1, Ordering::Relaxed)) {
+                    // The bodies of two batches update accounts in different orders and may
+                    // deadlock; the batch rolls back whole, and is delivered again.
+                    loop {
+                        let handled = inbox
+                            .handle_batch(
+                                "bench-batch",
+                                chunk,
+                                |m| &m.message_id,
+                                async |tx: &mut sqlx::PgConnection, m: &Transfer| {
+                                    sqlx::query(
+                                        "UPDATE accounts SET balance = balance + 1 WHERE id = $1",
+                                    )
+                                    .bind(m.account)
+                                    .execute(&mut *tx)
+                                    .await
+                                    .map(drop)
+                                },
+                            )
+                            .await;
+                        match handled {
+                            Ok(_) => break,
+                            Err(idempotent::Error::Handler(e)) if idempotent::is_retryable(&e) => {}
+                            Err(e) => panic!("{e:?}"),
+                        }
+                    }
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await?;
+    }
+    let batched = messages.len() as f64 / started.elapsed().as_secs_f64();
+    println!(
+        "  batches of 100                     {batched:>8.0} msg/s   ({:.1}x one per transaction)",
+        batched / single
+    );
+
+    // pgbench running exactly the statements (b) sends.
+    if let Some(tps) = pgbench(url, WORKERS) {
+        println!(
+            "  pgbench, the same SQL              {tps:>8.0} tx/s    ((b) is {:.2} of it)",
+            single / tps
+        );
+    }
+
+    // A large inbox.
+    let big: i64 = arg("--big-inbox").map_or(Ok(1_000_000), |v| v.parse())?;
+    reset(&pool).await;
+    sqlx::query(
+        "INSERT INTO idempotent_inbox (consumer, message_key)
+         SELECT 'other', int8send(g) FROM generate_series(1, $1) g",
+    )
+    .bind(big)
+    .execute(&pool)
+    .await?;
+    sqlx::raw_sql("VACUUM ANALYZE idempotent_inbox")
+        .execute(&pool)
+        .await?;
+    let (large, _) = run(inbox.clone(), 13).await;
+    println!(
+        "  (b) with {big} rows in the inbox {large:>8.0} msg/s   ({:.2} of an empty inbox)",
+        large / single
+    );
+
+    // A purge of expired rows while (b) runs.
+    let expired: i64 = arg("--purge").map_or(Ok(200_000), |v| v.parse())?;
+    reset(&pool).await;
+    sqlx::query(
+        "INSERT INTO idempotent_inbox (consumer, message_key, processed_at)
+         SELECT 'old', int8send(g), now() - interval '30 days' FROM generate_series(1, $1) g",
+    )
+    .bind(expired)
+    .execute(&pool)
+    .await?;
+    let purge_started = Instant::now();
+    let (purged, (during, latencies)) = tokio::join!(
+        async {
+            let report = inbox.purge_expired(1000).await.unwrap();
+            (report, purge_started.elapsed())
+        },
+        run(inbox.clone(), 14)
+    );
+    println!(
+        "  (b) while {} expired rows are purged {during:>8.0} msg/s   ({:.2} of no purge), worst claim {:.1} ms; the purge took {:.1} s in {} batches",
+        purged.0.deleted,
+        during / single,
+        latencies.last().map_or(0.0, |d| d.as_secs_f64() * 1e3),
+        purged.1.as_secs_f64(),
+        purged.0.batches
+    );
+    Ok(())
+}
+
+/// Runs pgbench for 5 seconds with the statements of one (b) delivery; its tx/s.
+fn pgbench(url: &str, clients: usize) -> Option<f64> {
+    let script = std::env::temp_dir().join("idempotent-bench.sql");
+    std::fs::write(
+        &script,
+        "\\set id random(1, 10000)\n\
+         BEGIN;\n\
+         INSERT INTO idempotent_inbox (consumer, message_key, fingerprint, processed_at) \
+         VALUES ('pgbench', decode(md5(random()::text || clock_timestamp()::text), 'hex'), NULL, now()) \
+         ON CONFLICT DO NOTHING;\n\
+         UPDATE accounts SET balance = balance + 1 WHERE id = :id;\n\
+         COMMIT;\n",
+    )
+    .ok()?;
+    let output = std::process::Command::new("pgbench")
+        .args(["-n", "-M", "prepared", "-T", "5", "-j", "2"])
+        .arg("-c")
+        .arg(clients.to_string())
+        .arg("-f")
+        .arg(&script)
+        .arg(url)
+        .output()
+        .ok()?;
+    let text = String::from_utf8_lossy(&output.stdout);
+    text.lines()
+        .find(|l| l.starts_with("tps = "))
+        .and_then(|l| l.split_whitespace().nth(2))
+        .and_then(|v| v.parse().ok())
+}
