@@ -225,6 +225,73 @@ macro_rules! effect_handlers {
 }
 pub(crate) use effect_handlers;
 
+/// The methods of [`Harness`] whose code is the same for every backend, given its placeholders;
+/// expanded where the backend's `handlers` module, pool and inbox are.
+macro_rules! harness_methods {
+    ($p1:literal, $p2:literal) => {
+        fn inbox(&self) -> &idempotent::Inbox<Self::Db> {
+            &self.inbox
+        }
+
+        async fn deliver(&self, consumer: Consumer, msg: &Delivery) -> Outcome {
+            handlers::deliver(&self.inbox, consumer, msg).await
+        }
+
+        async fn deliver_impatiently(&self, msg: &Delivery) -> Outcome {
+            handlers::deliver(&self.impatient, Consumer::Orders, msg).await
+        }
+
+        async fn deliver_batch(
+            &self,
+            msgs: &[Delivery],
+        ) -> Result<Vec<idempotent::Handled<()>>, idempotent::Error<crate::support::TestError>> {
+            handlers::deliver_batch(&self.inbox, msgs).await
+        }
+
+        async fn deliver_quote(&self, msg: &Delivery) -> Quote {
+            handlers::quotes(&self.inbox, msg).await
+        }
+
+        async fn deliver_payment(&self, msg: &Delivery) -> Outcome {
+            handlers::payments(&self.inbox, msg).await
+        }
+
+        async fn deliver_keyed(&self, msg: &Delivery) -> Outcome {
+            handlers::keyed(&self.inbox, msg).await
+        }
+
+        async fn effects(&self, label: &str) -> i64 {
+            sqlx::query_scalar(concat!("SELECT COUNT(*) FROM effects WHERE label = ", $p1))
+                .bind(label)
+                .fetch_one(&self.pool)
+                .await
+                .unwrap()
+        }
+
+        async fn effects_of(&self, consumer: &str, label: &str) -> i64 {
+            sqlx::query_scalar(concat!(
+                "SELECT COUNT(*) FROM effects WHERE consumer = ",
+                $p1,
+                " AND label = ",
+                $p2
+            ))
+            .bind(consumer)
+            .bind(label)
+            .fetch_one(&self.pool)
+            .await
+            .unwrap()
+        }
+
+        async fn inbox_rows(&self) -> i64 {
+            sqlx::query_scalar("SELECT COUNT(*) FROM idempotent_inbox")
+                .fetch_one(&self.pool)
+                .await
+                .unwrap()
+        }
+    };
+}
+pub(crate) use harness_methods;
+
 /// The effects table, the same on every backend.
 pub const CREATE_EFFECTS: &str =
     "CREATE TABLE effects (consumer TEXT NOT NULL, label TEXT NOT NULL)";

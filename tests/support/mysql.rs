@@ -68,38 +68,9 @@ impl MySqlHarness {
 }
 
 impl Harness for MySqlHarness {
+    crate::support::harness_methods!("?", "?");
+
     type Db = MySql;
-
-    fn inbox(&self) -> &Inbox<MySql> {
-        &self.inbox
-    }
-
-    async fn deliver(&self, consumer: Consumer, msg: &Delivery) -> Outcome {
-        handlers::deliver(&self.inbox, consumer, msg).await
-    }
-
-    async fn deliver_impatiently(&self, msg: &Delivery) -> Outcome {
-        handlers::deliver(&self.impatient, Consumer::Orders, msg).await
-    }
-
-    async fn deliver_batch(
-        &self,
-        msgs: &[Delivery],
-    ) -> Result<Vec<idempotent::Handled<()>>, idempotent::Error<super::TestError>> {
-        handlers::deliver_batch(&self.inbox, msgs).await
-    }
-
-    async fn deliver_quote(&self, msg: &Delivery) -> Quote {
-        handlers::quotes(&self.inbox, msg).await
-    }
-
-    async fn deliver_payment(&self, msg: &Delivery) -> Outcome {
-        handlers::payments(&self.inbox, msg).await
-    }
-
-    async fn deliver_keyed(&self, msg: &Delivery) -> Outcome {
-        handlers::keyed(&self.inbox, msg).await
-    }
 
     async fn bulk_rows(&self, consumer: &str, rows: usize) {
         // MariaDB's sequence engine: seq_1_to_N is a table of the numbers 1 to N.
@@ -123,30 +94,6 @@ impl Harness for MySqlHarness {
         .execute(&self.pool)
         .await
         .unwrap();
-    }
-
-    async fn effects(&self, label: &str) -> i64 {
-        sqlx::query_scalar("SELECT COUNT(*) FROM effects WHERE label = ?")
-            .bind(label)
-            .fetch_one(&self.pool)
-            .await
-            .unwrap()
-    }
-
-    async fn effects_of(&self, consumer: &str, label: &str) -> i64 {
-        sqlx::query_scalar("SELECT COUNT(*) FROM effects WHERE consumer = ? AND label = ?")
-            .bind(consumer)
-            .bind(label)
-            .fetch_one(&self.pool)
-            .await
-            .unwrap()
-    }
-
-    async fn inbox_rows(&self) -> i64 {
-        sqlx::query_scalar("SELECT COUNT(*) FROM idempotent_inbox")
-            .fetch_one(&self.pool)
-            .await
-            .unwrap()
     }
 
     async fn wait_until_a_claim_blocks(&self) {

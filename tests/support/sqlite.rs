@@ -62,38 +62,9 @@ impl SqliteHarness {
 }
 
 impl Harness for SqliteHarness {
+    crate::support::harness_methods!("$1", "$2");
+
     type Db = Sqlite;
-
-    fn inbox(&self) -> &Inbox<Sqlite> {
-        &self.inbox
-    }
-
-    async fn deliver(&self, consumer: Consumer, msg: &Delivery) -> Outcome {
-        handlers::deliver(&self.inbox, consumer, msg).await
-    }
-
-    async fn deliver_impatiently(&self, msg: &Delivery) -> Outcome {
-        handlers::deliver(&self.impatient, Consumer::Orders, msg).await
-    }
-
-    async fn deliver_batch(
-        &self,
-        msgs: &[Delivery],
-    ) -> Result<Vec<idempotent::Handled<()>>, idempotent::Error<super::TestError>> {
-        handlers::deliver_batch(&self.inbox, msgs).await
-    }
-
-    async fn deliver_quote(&self, msg: &Delivery) -> Quote {
-        handlers::quotes(&self.inbox, msg).await
-    }
-
-    async fn deliver_payment(&self, msg: &Delivery) -> Outcome {
-        handlers::payments(&self.inbox, msg).await
-    }
-
-    async fn deliver_keyed(&self, msg: &Delivery) -> Outcome {
-        handlers::keyed(&self.inbox, msg).await
-    }
 
     async fn bulk_rows(&self, consumer: &str, rows: usize) {
         sqlx::query(
@@ -117,30 +88,6 @@ impl Harness for SqliteHarness {
         .execute(&self.pool)
         .await
         .unwrap();
-    }
-
-    async fn effects(&self, label: &str) -> i64 {
-        sqlx::query_scalar("SELECT COUNT(*) FROM effects WHERE label = $1")
-            .bind(label)
-            .fetch_one(&self.pool)
-            .await
-            .unwrap()
-    }
-
-    async fn effects_of(&self, consumer: &str, label: &str) -> i64 {
-        sqlx::query_scalar("SELECT COUNT(*) FROM effects WHERE consumer = $1 AND label = $2")
-            .bind(consumer)
-            .bind(label)
-            .fetch_one(&self.pool)
-            .await
-            .unwrap()
-    }
-
-    async fn inbox_rows(&self) -> i64 {
-        sqlx::query_scalar("SELECT COUNT(*) FROM idempotent_inbox")
-            .fetch_one(&self.pool)
-            .await
-            .unwrap()
     }
 
     async fn wait_until_a_claim_blocks(&self) {
