@@ -88,6 +88,7 @@
 //!   [`calls`]).
 //! - `store_response` and `fingerprint` attribute arguments; [`Inbox::metrics`] and a `tracing`
 //!   span per message.
+//! - Batches: [`Inbox::handle_batch`] claims many keys in one statement and one transaction.
 //!
 //! # Features
 //! - `sqlite` (default): the inbox on SQLite, compiled in.
