@@ -336,6 +336,7 @@ impl Statements {
     }
 
     /// `template` with `{t}` replaced by the quoted table name.
+    #[cfg(any(feature = "postgres", feature = "sqlite"))]
     pub(crate) fn table_sql(&self, template: &str) -> String {
         template.replace("{t}", &self.table)
     }
