@@ -219,6 +219,9 @@ fn arg(name: &str) -> Option<String> {
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    if let Some(url) = arg("--instance") {
+        return instance(&url).await;
+    }
     let count: usize = arg("--messages").map_or(Ok(3000), |v| v.parse())?;
     let pg_url = std::env::var("IDEMPOTENT_PG_URL")
         .or_else(|_| std::env::var("DATABASE_URL"))
@@ -547,6 +550,27 @@ async fn extras(url: &str, count: usize) -> Result<(), Box<dyn std::error::Error
         );
     }
 
+    // Instances that share one database, as users grow past one machine: 4 processes with 2
+    // workers each against 1 process with 8 (the figure above), the same messages in all.
+    reset(&pool).await;
+    let started = Instant::now();
+    let children: Vec<_> = (0..4)
+        .map(|i| {
+            tokio::process::Command::new(std::env::current_exe().unwrap())
+                .args(["--instance", url, "--seed", &(20 + i).to_string()])
+                .args(["--messages", &(count / 4).to_string()])
+                .status()
+        })
+        .collect();
+    for child in children {
+        assert!(child.await?.success(), "an instance failed");
+    }
+    let instances = (count / 4 * 4) as f64 / started.elapsed().as_secs_f64();
+    println!(
+        "  4 processes x 2 workers            {instances:>8.0} msg/s   ({:.2} of 1 process x 8 workers, process start included)",
+        instances / single
+    );
+
     // A large inbox.
     let big: i64 = arg("--big-inbox").map_or(Ok(1_000_000), |v| v.parse())?;
     reset(&pool).await;
@@ -592,6 +616,23 @@ async fn extras(url: &str, count: usize) -> Result<(), Box<dyn std::error::Error
         purged.1.as_secs_f64(),
         purged.0.batches
     );
+    Ok(())
+}
+
+/// One instance of a service: (b) with 2 workers over its own messages.
+async fn instance(url: &str) -> Result<(), Box<dyn std::error::Error>> {
+    let seed: u64 = arg("--seed").map_or(Ok(1), |v| v.parse())?;
+    let count: usize = arg("--messages").map_or(Ok(750), |v| v.parse())?;
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .connect(url)
+        .await?;
+    let inbox = Inbox::new(pool);
+    drive(Arc::new(deliveries(count, 0, seed)), 2, move |msg| {
+        let inbox = inbox.clone();
+        async move { drop(on_postgres::inbox(&inbox, &msg).await.unwrap()) }
+    })
+    .await;
     Ok(())
 }
 

@@ -23,7 +23,7 @@ fn amqp_url() -> String {
     )
 }
 
-/// An example's binary, which `cargo test` builds beside the tests.
+/// An example's program, as `cargo build --examples` builds it (`scripts/test` does, first).
 fn example(name: &str) -> PathBuf {
     let deps = std::env::current_exe().unwrap();
     let path = deps
@@ -35,7 +35,7 @@ fn example(name: &str) -> PathBuf {
         .join(name);
     assert!(
         path.exists(),
-        "{} is not built: run `cargo test`, which builds the examples",
+        "{} is not built: run `cargo build --all-features --examples` first (scripts/test does)",
         path.display()
     );
     path
