@@ -122,6 +122,49 @@ mod on_sqlite {
     );
 }
 
+/// Measures the three variants with 1, 4 and 16 workers and 0% and 20% duplicates on one
+/// backend: `$module` holds its handlers, `$connect(workers)` opens a pool of that size.
+macro_rules! measure {
+    ($results:ident, $backend:literal, $module:ident, $count:expr, $int:literal, $connect:expr) => {
+        for workers in [1, 4, 16] {
+            let pool = $connect(workers).await?;
+            setup(&pool, $int).await;
+            let inbox = Inbox::new(pool.clone());
+            inbox.migrate().await?;
+            for share in [0, 20] {
+                let batch = Arc::new(deliveries($count, share, 7 + workers as u64));
+                for variant in [Variant::Plain, Variant::Inbox, Variant::CheckThenInsert] {
+                    reset(&pool).await;
+                    let (pool, inbox) = (pool.clone(), inbox.clone());
+                    let (per_second, latencies) = drive(batch.clone(), workers, move |msg| {
+                        let (pool, inbox) = (pool.clone(), inbox.clone());
+                        async move {
+                            match variant {
+                                Variant::Plain => $module::plain(&pool, &msg).await.unwrap(),
+                                Variant::Inbox => drop($module::inbox(&inbox, &msg).await.unwrap()),
+                                Variant::CheckThenInsert => {
+                                    $module::check_then_insert(&pool, &msg).await.unwrap()
+                                }
+                            }
+                        }
+                    })
+                    .await;
+                    $results.push(Measured {
+                        backend: $backend,
+                        workers,
+                        duplicates: share,
+                        variant,
+                        per_second,
+                        p50: percentile(&latencies, 0.5),
+                        p99: percentile(&latencies, 0.99),
+                    });
+                }
+            }
+            pool.close().await;
+        }
+    };
+}
+
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Variant {
     Plain,
@@ -230,91 +273,35 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     // PostgreSQL.
     let pg_db = fresh_postgres(&pg_url).await;
-    for workers in [1, 4, 16] {
-        let pool = sqlx::postgres::PgPoolOptions::new()
-            .max_connections(workers as u32)
-            .connect(&pg_db)
-            .await?;
-        setup(&pool, "BIGINT").await;
-        let inbox = Inbox::new(pool.clone());
-        inbox.migrate().await?;
-        for share in [0, 20] {
-            let batch = Arc::new(deliveries(count, share, 7 + workers as u64));
-            for variant in [Variant::Plain, Variant::Inbox, Variant::CheckThenInsert] {
-                reset(&pool).await;
-                let (pool, inbox) = (pool.clone(), inbox.clone());
-                let (per_second, latencies) = drive(batch.clone(), workers, move |msg| {
-                    let (pool, inbox) = (pool.clone(), inbox.clone());
-                    async move {
-                        match variant {
-                            Variant::Plain => on_postgres::plain(&pool, &msg).await.unwrap(),
-                            Variant::Inbox => drop(on_postgres::inbox(&inbox, &msg).await.unwrap()),
-                            Variant::CheckThenInsert => {
-                                on_postgres::check_then_insert(&pool, &msg).await.unwrap()
-                            }
-                        }
-                    }
-                })
-                .await;
-                results.push(Measured {
-                    backend: "PostgreSQL",
-                    workers,
-                    duplicates: share,
-                    variant,
-                    per_second,
-                    p50: percentile(&latencies, 0.5),
-                    p99: percentile(&latencies, 0.99),
-                });
-            }
+    measure!(
+        results,
+        "PostgreSQL",
+        on_postgres,
+        count,
+        "BIGINT",
+        |workers: usize| {
+            sqlx::postgres::PgPoolOptions::new()
+                .max_connections(workers as u32)
+                .connect(&pg_db)
         }
-        pool.close().await;
-    }
+    );
 
-    // SQLite, a file in WAL mode.
+    // SQLite, a file in WAL mode; half the deliveries, as it is slower.
     let dir = tempfile::tempdir()?;
     let sqlite_url = format!("sqlite://{}", dir.path().join("bench.db").display());
-    for workers in [1, 4, 16] {
-        let pool = sqlx::sqlite::SqlitePoolOptions::new()
-            .max_connections(workers as u32)
-            .connect_with(idempotent::sqlite::connect_options(&sqlite_url)?)
-            .await?;
-        sqlx::raw_sql("DROP TABLE IF EXISTS accounts")
-            .execute(&pool)
-            .await?;
-        setup(&pool, "INTEGER").await;
-        let inbox = Inbox::new(pool.clone());
-        inbox.migrate().await?;
-        for share in [0, 20] {
-            let batch = Arc::new(deliveries(count / 2, share, 7 + workers as u64));
-            for variant in [Variant::Plain, Variant::Inbox, Variant::CheckThenInsert] {
-                reset(&pool).await;
-                let (pool, inbox) = (pool.clone(), inbox.clone());
-                let (per_second, latencies) = drive(batch.clone(), workers, move |msg| {
-                    let (pool, inbox) = (pool.clone(), inbox.clone());
-                    async move {
-                        match variant {
-                            Variant::Plain => on_sqlite::plain(&pool, &msg).await.unwrap(),
-                            Variant::Inbox => drop(on_sqlite::inbox(&inbox, &msg).await.unwrap()),
-                            Variant::CheckThenInsert => {
-                                on_sqlite::check_then_insert(&pool, &msg).await.unwrap()
-                            }
-                        }
-                    }
-                })
-                .await;
-                results.push(Measured {
-                    backend: "SQLite",
-                    workers,
-                    duplicates: share,
-                    variant,
-                    per_second,
-                    p50: percentile(&latencies, 0.5),
-                    p99: percentile(&latencies, 0.99),
-                });
-            }
+    let options = idempotent::sqlite::connect_options(&sqlite_url)?;
+    measure!(
+        results,
+        "SQLite",
+        on_sqlite,
+        count / 2,
+        "INTEGER",
+        |workers: usize| {
+            sqlx::sqlite::SqlitePoolOptions::new()
+                .max_connections(workers as u32)
+                .connect_with(options.clone())
         }
-        pool.close().await;
-    }
+    );
 
     print_table(&results);
     extras(&pg_db, count).await?;
