@@ -186,6 +186,19 @@ pub struct PurgeLock<DB: sqlx::Database> {
     pub(crate) connection: Option<PoolConnection<DB>>,
 }
 
+/// Ends the purger's session after its unlock statement: when the unlock failed, closes the
+/// session, which releases its locks too.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) async fn end_purge_session<DB: sqlx::Database, T>(
+    connection: PoolConnection<DB>,
+    unlocked: Result<T, sqlx::Error>,
+) -> Result<(), sqlx::Error> {
+    if unlocked.is_err() {
+        connection.close().await?;
+    }
+    unlocked.map(drop)
+}
+
 /// Identifies one call to an outside service: the message's consumer and key, and the call's name.
 #[doc(hidden)]
 #[derive(Debug, Clone, Copy)]

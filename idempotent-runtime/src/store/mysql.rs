@@ -33,7 +33,8 @@ use sqlx::mysql::MySqlConnection;
 use sqlx::{MySql, MySqlPool, Transaction};
 
 use super::{
-    Backend, Dialect, HandlerConnection, PurgeLock, Sealed, Statements, run_all, shared_queries,
+    Backend, Dialect, HandlerConnection, PurgeLock, Sealed, Statements, end_purge_session, run_all,
+    shared_queries,
 };
 use crate::table::TableName;
 
@@ -141,11 +142,7 @@ impl Backend for MySql {
             .bind(table.as_str())
             .execute(&mut *connection)
             .await;
-            if unlocked.is_err() {
-                // Closing the session releases its locks.
-                connection.close().await?;
-            }
-            unlocked?;
+            return end_purge_session(connection, unlocked).await;
         }
         Ok(())
     }

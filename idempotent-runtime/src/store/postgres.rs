@@ -35,7 +35,8 @@ use sqlx::postgres::PgConnection;
 use sqlx::{PgPool, Postgres, Transaction};
 
 use super::{
-    Backend, Dialect, HandlerConnection, PurgeLock, Sealed, Statements, run_all, shared_queries,
+    Backend, Dialect, HandlerConnection, PurgeLock, Sealed, Statements, end_purge_session, run_all,
+    shared_queries,
 };
 use crate::table::TableName;
 
@@ -151,11 +152,7 @@ impl Backend for Postgres {
             .bind(table.quoted('"'))
             .execute(&mut *connection)
             .await;
-            if unlocked.is_err() {
-                // Closing the session releases its locks.
-                connection.close().await?;
-            }
-            unlocked?;
+            return end_purge_session(connection, unlocked).await;
         }
         Ok(())
     }
