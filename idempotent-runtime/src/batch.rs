@@ -34,20 +34,18 @@ impl<DB: Backend> ClaimedBatch<DB> {
 
     /// Commits the batch's work and claims together.
     pub async fn commit(self) -> Result<(), InboxError> {
-        let claimed = self.new.iter().filter(|new| **new).count();
+        let claimed = self.new.iter().filter(|new| **new).count() as u64;
         self.tx
             .commit()
             .await
             .map_err(InboxError::database(Stage::Commit))?;
-        for _ in 0..claimed {
-            self.metrics.processed();
-        }
+        self.metrics.processed(claimed);
         Ok(())
     }
 
     /// Rolls back the batch's work and claims.
     pub async fn rollback(self) {
-        self.metrics.rolled_back();
+        self.metrics.rolled_back(1);
         if let Err(error) = self.tx.rollback().await {
             tracing::warn!(%error, "rollback failed; the connection is discarded");
         }
@@ -91,9 +89,7 @@ impl<DB: Backend> Inbox<DB> {
             .map(|key| inserted.contains(key.as_bytes()) && seen.insert(key.as_bytes()))
             .collect();
         let duplicates = new.iter().filter(|new| !**new).count();
-        for _ in 0..duplicates {
-            self.metrics.duplicate();
-        }
+        self.metrics.duplicate(duplicates as u64);
         tracing::debug!(
             consumer,
             keys = keys.len(),

@@ -120,7 +120,7 @@ impl<DB: Backend> Inbox<DB> {
             return Ok(CallStart::Completed(decode_response(&result)?));
         }
         if lease_until > now {
-            self.metrics.call_in_progress();
+            self.metrics.call_in_progress(1);
             let retry_after = Duration::from_millis((lease_until - now) as u64);
             tracing::debug!(
                 consumer,
@@ -143,7 +143,7 @@ impl<DB: Backend> Inbox<DB> {
             return Ok(run(fence + 1));
         }
         // Another attempt took it over first.
-        self.metrics.call_in_progress();
+        self.metrics.call_in_progress(1);
         Err(InboxError::CallInProgress { retry_after: lease })
     }
 
@@ -174,7 +174,7 @@ impl<DB: Backend> Inbox<DB> {
             );
             Ok(())
         } else {
-            self.metrics.call_fenced();
+            self.metrics.call_fenced(1);
             tracing::warn!(
                 consumer = lease.consumer,
                 call = lease.name,

@@ -131,7 +131,10 @@ impl<DB: Backend> Inbox<DB> {
         options: ClaimOptions<'_>,
     ) -> Result<Claim<DB>, InboxError> {
         check_consumer(consumer)?;
-        tracing::Span::current().record("key", tracing::field::display(key.digest()));
+        let span = tracing::Span::current();
+        if !span.is_disabled() {
+            span.record("key", tracing::field::display(key.digest()));
+        }
         let mut tx = DB::begin(&self.pool)
             .await
             .map_err(InboxError::database(Stage::Begin))?;
@@ -155,7 +158,7 @@ impl<DB: Backend> Inbox<DB> {
             }));
         }
         rollback(tx).await;
-        self.metrics.duplicate();
+        self.metrics.duplicate(1);
         tracing::Span::current().record("outcome", "duplicate");
         tracing::info!(consumer, key = %key.digest(), "duplicate message: already processed");
         if options.fingerprint.is_none() && !options.read_response {
@@ -169,7 +172,7 @@ impl<DB: Backend> Inbox<DB> {
         if let (Some(ours), Some(theirs)) = (options.fingerprint, stored_fingerprint.as_deref())
             && ours != theirs
         {
-            self.metrics.fingerprint_mismatch();
+            self.metrics.fingerprint_mismatch(1);
             tracing::warn!(consumer, key = %key.digest(), "same message key, different payload");
             return Err(InboxError::FingerprintMismatch {
                 consumer: consumer.to_owned(),
@@ -266,19 +269,18 @@ impl<DB: Backend> Claimed<DB> {
 
     /// Commits the handler's work and the claim together.
     pub async fn commit(self) -> Result<(), InboxError> {
-        let consumer = self.consumer;
-        let key = self.key.digest();
+        let (consumer, key) = (self.consumer, self.key);
         match self.tx.commit().await {
             Ok(()) => {
-                self.metrics.processed();
+                self.metrics.processed(1);
                 tracing::Span::current().record("outcome", "processed");
-                tracing::debug!(%consumer, %key, "committed");
+                tracing::debug!(%consumer, key = %key.digest(), "committed");
                 Ok(())
             }
             Err(error) => {
-                self.metrics.rolled_back();
+                self.metrics.rolled_back(1);
                 tracing::Span::current().record("outcome", "commit failed");
-                tracing::warn!(%consumer, %key, %error, "commit failed");
+                tracing::warn!(%consumer, key = %key.digest(), %error, "commit failed");
                 Err(InboxError::database(Stage::Commit)(error))
             }
         }
@@ -286,7 +288,7 @@ impl<DB: Backend> Claimed<DB> {
 
     /// Rolls back the handler's work and the claim: a redelivery will run the handler again.
     pub async fn rollback(self) {
-        self.metrics.rolled_back();
+        self.metrics.rolled_back(1);
         tracing::Span::current().record("outcome", "rolled back");
         tracing::debug!(consumer = %self.consumer, key = %self.key.digest(), "rolled back");
         rollback(self.tx).await

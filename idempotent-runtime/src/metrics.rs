@@ -38,12 +38,11 @@ pub struct MetricsSnapshot {
 macro_rules! counters {
     ($($name:ident => $field:ident),* $(,)?) => {
         impl Metrics {
-            $(pub(crate) fn $name(&self) { self.$field.fetch_add(1, Ordering::Relaxed); })*
+            $(pub(crate) fn $name(&self, n: u64) { self.$field.fetch_add(n, Ordering::Relaxed); })*
 
             pub(crate) fn snapshot(&self) -> MetricsSnapshot {
                 MetricsSnapshot {
                     $($field: self.$field.load(Ordering::Relaxed),)*
-                    rows_purged: self.rows_purged.load(Ordering::Relaxed),
                 }
             }
         }
@@ -56,10 +55,5 @@ counters! {
     fingerprint_mismatch => fingerprint_mismatches,
     call_in_progress => calls_in_progress,
     call_fenced => calls_fenced,
-}
-
-impl Metrics {
-    pub(crate) fn purged(&self, rows: u64) {
-        self.rows_purged.fetch_add(rows, Ordering::Relaxed);
-    }
+    purged => rows_purged,
 }
