@@ -54,23 +54,33 @@ macro_rules! chaos_handlers {
         use crate::consumer::{ChaosError, crash_point};
         use crate::protocol::{Behaviour, CrashPoint, Delivery};
 
-        fn fails(msg: &Delivery) -> bool {
-            msg.behaviour == Behaviour::Poison
-                || (msg.behaviour == Behaviour::FailOnce && msg.attempt == 1)
-        }
-
-        #[idempotent(key = "message_id", consumer = "ledger")]
-        pub async fn ledger(tx: &mut $conn, msg: &Delivery) -> Result<(), ChaosError> {
+        /// The part of both handlers' bodies that the crash points cut into: records the
+        /// delivery in `insert`'s table, then fails if the message is meant to.
+        async fn record(tx: &mut $conn, insert: &str, msg: &Delivery) -> Result<(), ChaosError> {
             crash_point(msg, CrashPoint::AfterClaim).await;
-            sqlx::query("INSERT INTO chaos_ledger (message_id, tag) VALUES ($1, $2)")
+            sqlx::query(sqlx::AssertSqlSafe(insert))
                 .bind(msg.message_id.to_string())
                 .bind(msg.tag as i64)
                 .execute(&mut *tx)
                 .await?;
             crash_point(msg, CrashPoint::InBody).await;
-            if fails(msg) {
-                return Err(ChaosError::Failed);
+            let fails = msg.behaviour == Behaviour::Poison
+                || (msg.behaviour == Behaviour::FailOnce && msg.attempt == 1);
+            if fails {
+                Err(ChaosError::Failed)
+            } else {
+                Ok(())
             }
+        }
+
+        #[idempotent(key = "message_id", consumer = "ledger")]
+        pub async fn ledger(tx: &mut $conn, msg: &Delivery) -> Result<(), ChaosError> {
+            record(
+                tx,
+                "INSERT INTO chaos_ledger (message_id, tag) VALUES ($1, $2)",
+                msg,
+            )
+            .await?;
             sqlx::query("UPDATE chaos_counter SET value = value + 1 WHERE name = 'ledger'")
                 .execute(&mut *tx)
                 .await?;
@@ -79,17 +89,12 @@ macro_rules! chaos_handlers {
 
         #[idempotent(key = "message_id", consumer = "mailer")]
         pub async fn mailer(tx: &mut $conn, msg: &Delivery) -> Result<(), ChaosError> {
-            crash_point(msg, CrashPoint::AfterClaim).await;
-            sqlx::query("INSERT INTO chaos_emails (message_id, tag) VALUES ($1, $2)")
-                .bind(msg.message_id.to_string())
-                .bind(msg.tag as i64)
-                .execute(&mut *tx)
-                .await?;
-            crash_point(msg, CrashPoint::InBody).await;
-            if fails(msg) {
-                return Err(ChaosError::Failed);
-            }
-            Ok(())
+            record(
+                tx,
+                "INSERT INTO chaos_emails (message_id, tag) VALUES ($1, $2)",
+                msg,
+            )
+            .await
         }
     };
 }

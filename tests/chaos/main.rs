@@ -207,31 +207,35 @@ async fn setup(url: &str) {
         "INSERT INTO chaos_counter (name, value) VALUES ('ledger', 0)",
     ];
     if url.starts_with("postgres") {
-        let pool = sqlx::PgPool::connect(url).await.expect("PostgreSQL");
-        for statement in TABLES {
-            sqlx::query(statement)
-                .execute(&pool)
-                .await
-                .expect(statement);
-        }
-        idempotent::Inbox::new(pool)
-            .migrate()
-            .await
-            .expect("migrate");
+        create(
+            sqlx::PgPool::connect(url).await.expect("PostgreSQL"),
+            &TABLES,
+        )
+        .await;
     } else {
-        let pool =
-            sqlx::SqlitePool::connect_with(idempotent::sqlite::connect_options(url).unwrap())
+        let options = idempotent::sqlite::connect_options(url).unwrap();
+        create(
+            sqlx::SqlitePool::connect_with(options)
                 .await
-                .expect("SQLite");
-        for statement in TABLES {
-            sqlx::query(statement)
-                .execute(&pool)
-                .await
-                .expect(statement);
-        }
-        idempotent::Inbox::new(pool)
-            .migrate()
-            .await
-            .expect("migrate");
+                .expect("SQLite"),
+            &TABLES,
+        )
+        .await;
     }
+}
+
+async fn create<DB: idempotent::Backend>(pool: sqlx::Pool<DB>, tables: &[&'static str])
+where
+    for<'c> &'c sqlx::Pool<DB>: sqlx::Executor<'c, Database = DB>,
+{
+    for &statement in tables {
+        sqlx::raw_sql(statement)
+            .execute(&pool)
+            .await
+            .expect(statement);
+    }
+    idempotent::Inbox::new(pool)
+        .migrate()
+        .await
+        .expect("migrate");
 }
