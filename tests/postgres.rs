@@ -1,4 +1,5 @@
-//! The conformance suite on PostgreSQL (`IDEMPOTENT_PG_URL`), a fresh schema per test.
+//! The conformance suite on PostgreSQL (`IDEMPOTENT_PG_URL`), a fresh schema per test: with the
+//! claim sent together with its `BEGIN` (the default), and in a statement of its own.
 #![cfg(feature = "postgres")]
 
 mod conformance;
@@ -8,3 +9,9 @@ use conformance::conformance_tests;
 use support::postgres::PgHarness;
 
 conformance_tests!(PgHarness::new().await);
+
+mod separate_claim {
+    use super::*;
+
+    conformance_tests!(PgHarness::new().await.with_separate_claim());
+}

@@ -5,17 +5,16 @@ use std::collections::HashSet;
 use std::fmt;
 use std::sync::Arc;
 
-use sqlx::Transaction;
-
 use crate::error::{Error, InboxError, Stage};
 use crate::inbox::{Handled, Inbox, check_consumer};
 use crate::key::{MessageKey, StableKey, message_key};
 use crate::metrics::Metrics;
 use crate::store::Backend;
+use crate::transaction::InboxTransaction;
 
 /// A transaction holding the claims of a batch of keys; see [`Inbox::claim_batch`].
 pub struct ClaimedBatch<DB: Backend> {
-    tx: Transaction<'static, DB>,
+    tx: InboxTransaction<DB>,
     new: Vec<bool>,
     metrics: Arc<Metrics>,
 }
@@ -29,7 +28,7 @@ impl<DB: Backend> ClaimedBatch<DB> {
 
     /// The transaction's connection, for the handlers' own statements.
     pub fn connection(&mut self) -> &mut DB::Connection {
-        &mut self.tx
+        self.tx.connection()
     }
 
     /// Commits the batch's work and claims together.
@@ -46,9 +45,7 @@ impl<DB: Backend> ClaimedBatch<DB> {
     /// Rolls back the batch's work and claims.
     pub async fn rollback(self) {
         self.metrics.rolled_back(1);
-        if let Err(error) = self.tx.rollback().await {
-            tracing::warn!(%error, "rollback failed; the connection is discarded");
-        }
+        self.tx.rollback().await;
     }
 }
 
@@ -73,11 +70,11 @@ impl<DB: Backend> Inbox<DB> {
         let mut sorted: Vec<&[u8]> = keys.iter().map(MessageKey::as_bytes).collect();
         sorted.sort_unstable();
         sorted.dedup();
-        let mut tx = DB::begin(&self.pool)
+        let mut tx = InboxTransaction::begin(&self.pool)
             .await
             .map_err(InboxError::database(Stage::Begin))?;
         let inserted: HashSet<Vec<u8>> =
-            DB::claim_batch(&mut tx, &self.statements, consumer, &sorted)
+            DB::claim_batch(tx.connection(), &self.statements, consumer, &sorted)
                 .await
                 .map_err(InboxError::database(Stage::Claim))?
                 .into_iter()

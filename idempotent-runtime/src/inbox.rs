@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use serde::Serialize;
 use serde::de::DeserializeOwned;
-use sqlx::{Pool, Transaction};
+use sqlx::Pool;
 
 use crate::error::{Error, InboxError, Stage};
 use crate::key::{IdempotencyKey, MessageKey, StableKey, message_key};
@@ -13,6 +13,7 @@ use crate::metrics::{Metrics, MetricsSnapshot};
 use crate::retention::Retention;
 use crate::store::{Backend, HandlerConnection, Statements};
 use crate::table::TableName;
+use crate::transaction::{BeginError, InboxTransaction};
 
 /// The longest consumer name accepted, in bytes.
 pub const MAX_CONSUMER_LEN: usize = 200;
@@ -73,8 +74,10 @@ impl<DB: Backend> Inbox<DB> {
     /// The same inbox in another table; `name` must pass [`TableName::new`].
     pub fn with_table(self, name: &str) -> Result<Self, InboxError> {
         let table = TableName::new(name)?;
+        let mut statements = Statements::new(DB::DIALECT, &table);
+        statements.separate_claim = self.statements.separate_claim;
         Ok(Self {
-            statements: Arc::new(Statements::new(DB::DIALECT, &table)),
+            statements: Arc::new(statements),
             table,
             ..self
         })
@@ -135,19 +138,19 @@ impl<DB: Backend> Inbox<DB> {
         if !span.is_disabled() {
             span.record("key", tracing::field::display(key.digest()));
         }
-        let mut tx = DB::begin(&self.pool)
-            .await
-            .map_err(InboxError::database(Stage::Begin))?;
-        let claimed = DB::claim(
-            &mut tx,
+        let claimed = InboxTransaction::claim(
+            &self.pool,
             &self.statements,
             consumer,
             key.as_bytes(),
             options.fingerprint,
         )
         .await
-        .map_err(InboxError::database(Stage::Claim))?;
-        if claimed {
+        .map_err(|error| match error {
+            BeginError::Acquire(error) => InboxError::database(Stage::Begin)(error),
+            BeginError::Claim(error) => InboxError::database(Stage::Claim)(error),
+        })?;
+        if let Some(tx) = claimed {
             tracing::debug!(consumer, key = %key.digest(), "claimed message key");
             return Ok(Claim::New(Claimed {
                 tx,
@@ -157,7 +160,6 @@ impl<DB: Backend> Inbox<DB> {
                 metrics: self.metrics.clone(),
             }));
         }
-        rollback(tx).await;
         self.metrics.duplicate(1);
         tracing::Span::current().record("outcome", "duplicate");
         tracing::info!(consumer, key = %key.digest(), "duplicate message: already processed");
@@ -231,19 +233,11 @@ pub(crate) fn check_consumer(consumer: &str) -> Result<(), InboxError> {
     })
 }
 
-async fn rollback<DB: Backend>(tx: Transaction<'static, DB>) {
-    // A failed rollback means the connection is broken; sqlx closes it instead of reusing it, and
-    // the server rolls back when the session ends.
-    if let Err(error) = tx.rollback().await {
-        tracing::warn!(%error, "rollback failed; the connection is discarded");
-    }
-}
-
 /// A transaction in which this caller holds the claim on a message key. Run the handler's work on
 /// [`connection`](Self::connection), then [`commit`](Self::commit) to record the effect and the key
 /// together. Dropping it (a panic, a cancelled future) rolls back, so the key stays unclaimed.
 pub struct Claimed<DB: Backend> {
-    tx: Transaction<'static, DB>,
+    tx: InboxTransaction<DB>,
     consumer: Box<str>,
     key: MessageKey,
     statements: Arc<Statements>,
@@ -253,7 +247,7 @@ pub struct Claimed<DB: Backend> {
 impl<DB: Backend> Claimed<DB> {
     /// The transaction's connection, for the handler's own statements.
     pub fn connection(&mut self) -> &mut DB::Connection {
-        &mut self.tx
+        self.tx.connection()
     }
 
     /// The claimed key.
@@ -291,7 +285,7 @@ impl<DB: Backend> Claimed<DB> {
         self.metrics.rolled_back(1);
         tracing::Span::current().record("outcome", "rolled back");
         tracing::debug!(consumer = %self.consumer, key = %self.key.digest(), "rolled back");
-        rollback(self.tx).await
+        self.tx.rollback().await
     }
 
     /// Commits on `Ok`, rolls back on `Err`: the end of every rewritten handler.
@@ -321,7 +315,7 @@ impl<DB: Backend> Claimed<DB> {
                 })
             })?;
             DB::set_response(
-                &mut self.tx,
+                self.tx.connection(),
                 &self.statements,
                 &self.consumer,
                 self.key.as_bytes(),

@@ -15,6 +15,7 @@ mod metrics;
 mod retention;
 pub mod store;
 mod table;
+mod transaction;
 
 #[doc(hidden)]
 pub mod __private;

@@ -197,6 +197,31 @@ pub async fn claim_waits_for_an_uncommitted_claim_then_runs_after_its_rollback(h
     assert_eq!(h.inbox_rows().await, 1);
 }
 
+/// A delivery dropped while its claim waits (a timeout around the handler, say) leaves nothing
+/// open on the server: once the held claim rolls back, the next deliveries neither wait for a
+/// leftover claim nor find one, and the message is processed once.
+pub async fn claim_dropped_while_it_waits_leaves_nothing_open(h: impl Harness) {
+    let msg = Delivery::new("dropped-while-waiting");
+    let key = message_key(&msg.message_id).unwrap();
+    let held = h.inbox().claim("orders", &key).await.unwrap().unwrap();
+    tokio::select! {
+        outcome = h.deliver(Consumer::Orders, &msg) => {
+            panic!("a delivery returned while the claim it waits for was held: {outcome:?}")
+        }
+        () = h.wait_until_a_claim_blocks() => {} // drop the waiting delivery here
+    }
+    held.rollback().await;
+    // A leftover claim would make the redelivery wait for ever, or report the message a duplicate.
+    let outcome = tokio::time::timeout(
+        std::time::Duration::from_secs(20),
+        h.deliver(Consumer::Orders, &msg),
+    )
+    .await
+    .expect("the redelivery waited on a claim nobody holds");
+    assert!(matches!(outcome, Ok(Handled::Processed(()))), "{outcome:?}");
+    assert_eq!(h.effects("dropped-while-waiting").await, 1);
+}
+
 pub async fn claim_that_waits_too_long_fails_retryably_and_commits_nothing(h: impl Harness) {
     let msg = Delivery::new("lock-timeout");
     let key = message_key(&msg.message_id).unwrap();
@@ -343,6 +368,7 @@ macro_rules! conformance_tests {
             concurrent_deliveries_have_one_effect
             claim_waits_for_an_uncommitted_claim_then_sees_its_commit
             claim_waits_for_an_uncommitted_claim_then_runs_after_its_rollback
+            claim_dropped_while_it_waits_leaves_nothing_open
             claim_that_waits_too_long_fails_retryably_and_commits_nothing
             several_waiters_released_by_a_rollback_have_one_effect
             two_consumers_each_process_the_message_once

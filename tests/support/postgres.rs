@@ -62,6 +62,17 @@ impl PgHarness {
     }
 }
 
+impl PgHarness {
+    /// The same harness whose inboxes claim in a statement of their own.
+    pub fn with_separate_claim(self) -> Self {
+        Self {
+            inbox: self.inbox.with_separate_claim(),
+            impatient: self.impatient.with_separate_claim(),
+            ..self
+        }
+    }
+}
+
 impl Harness for PgHarness {
     crate::support::harness_methods!("$1", "$2");
 
@@ -98,7 +109,7 @@ impl Harness for PgHarness {
             let waiting: i64 = sqlx::query_scalar(
                 "SELECT COUNT(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
                  WHERE NOT l.granted AND a.application_name = $1
-                   AND a.query LIKE 'INSERT INTO \"idempotent_inbox\"%'",
+                   AND a.query LIKE '%INSERT INTO \"idempotent_inbox\" %'",
             )
             .bind(&self.schema)
             .fetch_one(&self.pool)

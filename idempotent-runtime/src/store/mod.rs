@@ -11,7 +11,8 @@ use std::future::Future;
 use std::sync::Arc;
 
 use sqlx::pool::PoolConnection;
-use sqlx::{Pool, Transaction};
+use sqlx::Pool;
+use sqlx_core::transaction::TransactionManager;
 
 use crate::table::TableName;
 
@@ -46,10 +47,18 @@ pub trait Backend: sqlx::Database + Sealed {
     const DIALECT: Dialect;
 
     #[doc(hidden)]
-    /// Takes a connection and begins a transaction that will write.
-    fn begin(
-        pool: &Pool<Self>,
-    ) -> impl Future<Output = Result<Transaction<'static, Self>, sqlx::Error>> + Send;
+    /// Begins a transaction on `conn` and claims `(consumer, key, fingerprint)` in it: `true`, with
+    /// the transaction open at depth one, when this call inserted the key; `false`, with no
+    /// transaction left open, when the key was there. A concurrent uncommitted claim of the same key
+    /// makes this wait for that transaction to end. On an error no transaction is left open, or the
+    /// connection is marked to close.
+    fn begin_claim<'a>(
+        conn: &'a mut PoolConnection<Self>,
+        statements: &'a Statements,
+        consumer: &'a str,
+        key: &'a [u8],
+        fingerprint: Option<&'a [u8]>,
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send + 'a;
 
     #[doc(hidden)]
     /// Creates the inbox and calls tables and their indexes if they are missing; safe to run
@@ -75,9 +84,9 @@ pub trait Backend: sqlx::Database + Sealed {
     ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a;
 
     #[doc(hidden)]
-    /// Inserts `(consumer, key, fingerprint)` unless the key is there; `true` when this call
-    /// inserted it. A concurrent uncommitted insert of the same key makes this wait for that
-    /// transaction to end.
+    /// Inserts `(consumer, key, fingerprint)` unless the key is there, in the open transaction;
+    /// `true` when this call inserted it. A concurrent uncommitted insert of the same key makes this
+    /// wait for that transaction to end.
     fn claim<'a>(
         conn: &'a mut Self::Connection,
         statements: &'a Statements,
@@ -178,6 +187,28 @@ pub trait HandlerConnection {
     type Backend: Backend;
 }
 
+/// [`Backend::begin_claim`] in two round trips: the backend's `BEGIN`, then [`Backend::claim`];
+/// rolls back unless the key was claimed.
+pub(crate) async fn begin_then_claim<DB: Backend>(
+    conn: &mut PoolConnection<DB>,
+    statements: &Statements,
+    consumer: &str,
+    key: &[u8],
+    fingerprint: Option<&[u8]>,
+) -> Result<bool, sqlx::Error> {
+    crate::transaction::begin::<DB>(conn).await?;
+    let claimed = DB::claim(conn, statements, consumer, key, fingerprint).await;
+    if !matches!(claimed, Ok(true)) {
+        let rolled_back = <DB as sqlx::Database>::TransactionManager::rollback(conn).await;
+        if let Err(error) = rolled_back {
+            // The connection is broken; the server ends the transaction with the session.
+            conn.close_on_drop();
+            return claimed.and(Err(error));
+        }
+    }
+    claimed
+}
+
 /// What holds the purger's lock: a connection with a session lock (PostgreSQL, MySQL), or nothing
 /// (SQLite serializes its writers anyway).
 #[doc(hidden)]
@@ -212,6 +243,8 @@ pub struct CallId<'a> {
 #[doc(hidden)]
 #[derive(Debug, Clone, Copy)]
 pub struct Dialect {
+    /// Begins a transaction that will write.
+    pub(crate) begin: &'static str,
     /// Quotes identifiers.
     pub(crate) quote: char,
     /// Placeholders are `?` (MySQL) rather than `$1`, `$2`, ….
@@ -235,6 +268,9 @@ pub struct Dialect {
 pub struct Statements {
     dialect: Dialect,
     table: String,
+    /// Claim in a statement of its own after `BEGIN` (PostgreSQL claims with its `BEGIN` unless
+    /// this is set).
+    pub(crate) separate_claim: bool,
     pub(crate) claim: Arc<str>,
     pub(crate) stored: Arc<str>,
     pub(crate) set_response: Arc<str>,
@@ -338,6 +374,7 @@ impl Statements {
         Statements {
             dialect,
             table: t,
+            separate_claim: false,
             claim: claim.into(),
             stored: stored.into(),
             set_response: set_response.into(),

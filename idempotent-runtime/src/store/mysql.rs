@@ -30,10 +30,11 @@
 //! most 200, so `INSERT IGNORE` never truncates one.
 
 use sqlx::mysql::MySqlConnection;
-use sqlx::{MySql, MySqlPool, Transaction};
+use sqlx::pool::PoolConnection;
+use sqlx::{MySql, MySqlPool};
 
 use super::{
-    Backend, Dialect, HandlerConnection, PurgeLock, Sealed, Statements, end_purge_session, run_all,
+    Backend, Dialect, HandlerConnection, PurgeLock, Sealed, Statements, begin_then_claim, end_purge_session, run_all,
     shared_queries,
 };
 use crate::table::TableName;
@@ -52,6 +53,7 @@ pub const PURGE_LOCK_NAME: &str =
 
 impl Backend for MySql {
     const DIALECT: Dialect = Dialect {
+        begin: "BEGIN",
         quote: '`',
         question_marks: true,
         insert_ignore: "INSERT IGNORE INTO",
@@ -62,8 +64,14 @@ impl Backend for MySql {
         delete_limit: true,
     };
 
-    async fn begin(pool: &MySqlPool) -> Result<Transaction<'static, MySql>, sqlx::Error> {
-        pool.begin().await
+    async fn begin_claim(
+        conn: &mut PoolConnection<MySql>,
+        statements: &Statements,
+        consumer: &str,
+        key: &[u8],
+        fingerprint: Option<&[u8]>,
+    ) -> Result<bool, sqlx::Error> {
+        begin_then_claim(conn, statements, consumer, key, fingerprint).await
     }
 
     async fn migrate(pool: &MySqlPool, table: &TableName) -> Result<(), sqlx::Error> {

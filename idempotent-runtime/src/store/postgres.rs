@@ -1,10 +1,19 @@
 //! The inbox on PostgreSQL.
 //!
-//! The claim is `INSERT … ON CONFLICT DO NOTHING` on the primary key, as the first statement of
-//! the handler's `READ COMMITTED` transaction. When another transaction has inserted the same key
-//! and not yet ended, the insert waits for it on the index entry: after that transaction commits
-//! the insert does nothing (0 rows: a duplicate), after it rolls back the insert goes ahead
-//! (1 row: ours to process). There is no unique-violation path and no read before the write.
+//! The claim is an `INSERT` on the primary key, sent in one message with the `BEGIN` of the
+//! handler's `READ COMMITTED` transaction (`BEGIN; INSERT …`), so it costs no round trip of its
+//! own. When another transaction has inserted the same key and not yet ended, the insert waits for
+//! it on the index entry: after that transaction rolls back the insert goes ahead (ours to
+//! process), after it commits the insert fails with a unique violation, which is how the server
+//! reports a duplicate; the inbox then rolls back and returns `Duplicate`. There is no read before
+//! the write. The values travel as hex digits that the statement decodes
+//! (`decode('…', 'hex')`), so no byte of a key or a consumer name is ever spliced into SQL.
+//!
+//! The server writes each such unique violation to its log (at `ERROR`, with the statement), and
+//! leaves a dead row version for `VACUUM`. Where that is unwelcome,
+//! [`Inbox::with_separate_claim`](crate::Inbox::with_separate_claim) claims with
+//! `INSERT … ON CONFLICT DO NOTHING` in a statement of its own instead: no error for a duplicate,
+//! one round trip more per message.
 //!
 //! ```sql
 //! CREATE TABLE "idempotent_inbox" (
@@ -31,13 +40,16 @@
 //! Only one instance purges a table at a time: the purger holds a session advisory lock on the
 //! table's OID while it runs.
 
-use sqlx::postgres::PgConnection;
-use sqlx::{PgPool, Postgres, Transaction};
+use sqlx::pool::PoolConnection;
+use sqlx::postgres::{PgConnection, PgTransactionManager};
+use sqlx::{AssertSqlSafe, Executor, PgPool, Postgres, SqlSafeStr};
+use sqlx_core::transaction::TransactionManager;
 
 use super::{
-    Backend, Dialect, HandlerConnection, PurgeLock, Sealed, Statements, end_purge_session, run_all,
-    shared_queries,
+    Backend, Dialect, HandlerConnection, PurgeLock, Sealed, Statements, begin_then_claim,
+    end_purge_session, run_all, shared_queries,
 };
+use crate::key::hex;
 use crate::table::TableName;
 
 /// Serializes concurrent `migrate()` calls, whose `CREATE … IF NOT EXISTS` can otherwise race.
@@ -54,8 +66,26 @@ impl HandlerConnection for PgConnection {
 #[doc(hidden)]
 pub const PURGE_LOCK_KEY: &str = "1768453, coalesce(to_regclass($1)::oid::int, 0)";
 
+impl crate::Inbox<Postgres> {
+    /// The same inbox, claiming with `INSERT … ON CONFLICT DO NOTHING` in a statement of its own
+    /// after `BEGIN`, rather than in one message with it: a duplicate is then no error on the
+    /// server (nothing in its log, no dead row version), at the cost of one round trip more per
+    /// message. Both wait for a concurrent claim of the same key in the same way.
+    pub fn with_separate_claim(self) -> Self {
+        let statements = Statements {
+            separate_claim: true,
+            ..(*self.statements).clone()
+        };
+        Self {
+            statements: std::sync::Arc::new(statements),
+            ..self
+        }
+    }
+}
+
 impl Backend for Postgres {
     const DIALECT: Dialect = Dialect {
+        begin: "BEGIN",
         quote: '"',
         question_marks: false,
         insert_ignore: "INSERT INTO",
@@ -66,8 +96,30 @@ impl Backend for Postgres {
         delete_limit: false,
     };
 
-    async fn begin(pool: &PgPool) -> Result<Transaction<'static, Postgres>, sqlx::Error> {
-        pool.begin().await
+    async fn begin_claim(
+        conn: &mut PoolConnection<Postgres>,
+        statements: &Statements,
+        consumer: &str,
+        key: &[u8],
+        fingerprint: Option<&[u8]>,
+    ) -> Result<bool, sqlx::Error> {
+        if statements.separate_claim {
+            return begin_then_claim(conn, statements, consumer, key, fingerprint).await;
+        }
+        let begin = AssertSqlSafe(begin_and_claim(statements, consumer, key, fingerprint));
+        let Err(error) = PgTransactionManager::begin(conn, Some(begin.into_sql_str())).await else {
+            return Ok(true);
+        };
+        // The insert failed in the transaction its message began, which is now aborted (or the
+        // `BEGIN` failed and there is none): end it before the connection goes back to the pool.
+        if conn.execute("ROLLBACK").await.is_err() {
+            conn.close_on_drop();
+            return Err(error);
+        }
+        match error.as_database_error() {
+            Some(database) if database.is_unique_violation() => Ok(false),
+            _ => Err(error),
+        }
     }
 
     async fn migrate(pool: &PgPool, table: &TableName) -> Result<(), sqlx::Error> {
@@ -158,6 +210,25 @@ impl Backend for Postgres {
     }
 
     shared_queries!(PgPool, PgConnection);
+}
+
+/// `BEGIN; INSERT …` claiming `(consumer, key, fingerprint)`, every value as hex digits.
+fn begin_and_claim(
+    statements: &Statements,
+    consumer: &str,
+    key: &[u8],
+    fingerprint: Option<&[u8]>,
+) -> String {
+    let fingerprint = fingerprint.map_or_else(
+        || "NULL".to_owned(),
+        |fingerprint| format!("decode('{}', 'hex')", hex(fingerprint)),
+    );
+    format!(
+        "{}convert_from(decode('{}', 'hex'), 'UTF8'), decode('{}', 'hex'), {fingerprint})",
+        statements.table_sql("BEGIN; INSERT INTO {t} (consumer, message_key, fingerprint) VALUES ("),
+        hex(consumer.as_bytes()),
+        hex(key),
+    )
 }
 
 /// SQLSTATEs worth a retry: serialization failure, deadlock, lock not available, the server

@@ -23,10 +23,11 @@
 use std::str::FromStr;
 
 use sqlx::sqlite::{SqliteConnectOptions, SqliteConnection, SqliteJournalMode};
-use sqlx::{Sqlite, SqlitePool, Transaction};
+use sqlx::pool::PoolConnection;
+use sqlx::{Sqlite, SqlitePool};
 
 use super::{
-    Backend, Dialect, HandlerConnection, PurgeLock, Sealed, Statements, run_all, shared_queries,
+    Backend, Dialect, HandlerConnection, PurgeLock, Sealed, Statements, begin_then_claim, run_all, shared_queries,
 };
 use crate::table::TableName;
 
@@ -84,6 +85,7 @@ impl crate::Inbox<Sqlite> {
 
 impl Backend for Sqlite {
     const DIALECT: Dialect = Dialect {
+        begin: "BEGIN IMMEDIATE",
         quote: '"',
         question_marks: false,
         insert_ignore: "INSERT OR IGNORE INTO",
@@ -94,8 +96,14 @@ impl Backend for Sqlite {
         delete_limit: false,
     };
 
-    async fn begin(pool: &SqlitePool) -> Result<Transaction<'static, Sqlite>, sqlx::Error> {
-        pool.begin_with("BEGIN IMMEDIATE").await
+    async fn begin_claim(
+        conn: &mut PoolConnection<Sqlite>,
+        statements: &Statements,
+        consumer: &str,
+        key: &[u8],
+        fingerprint: Option<&[u8]>,
+    ) -> Result<bool, sqlx::Error> {
+        begin_then_claim(conn, statements, consumer, key, fingerprint).await
     }
 
     async fn migrate(pool: &SqlitePool, table: &TableName) -> Result<(), sqlx::Error> {
