@@ -125,6 +125,30 @@ pub async fn cancelled_call_commits_nothing(h: impl Harness) {
     assert_eq!(h.effects("cancelled").await, 1);
 }
 
+/// A body may nest transactions on its connection: they are savepoints inside the handler's
+/// transaction, so a nested commit commits nothing yet and the body's error still undoes it all.
+pub async fn nested_transactions_in_the_body_are_savepoints(h: impl Harness) {
+    let counts = async |label: &str| {
+        let mut counts = Vec::new();
+        for consumer in ["savepoint-undone", "savepoint-kept", "savepoints"] {
+            counts.push(h.effects_of(consumer, label).await);
+        }
+        counts
+    };
+    let failing = Delivery::new("nested").behaving(Behaviour::Fail);
+    let error = h.deliver_savepoints(&failing).await.unwrap_err();
+    assert!(matches!(error, Error::Handler(_)), "{error:?}");
+    assert_eq!(counts("nested").await, [0, 0, 0], "a failed body committed");
+    assert!(!h.inbox().is_processed("savepoints", "nested").await.unwrap());
+
+    let outcome = h.deliver_savepoints(&Delivery::new("nested")).await;
+    assert!(matches!(outcome, Ok(Handled::Processed(()))), "{outcome:?}");
+    assert_eq!(counts("nested").await, [0, 1, 1]);
+    let again = h.deliver_savepoints(&Delivery::new("nested")).await;
+    assert!(matches!(again, Ok(Handled::Duplicate { .. })), "{again:?}");
+    assert_eq!(counts("nested").await, [0, 1, 1]);
+}
+
 pub async fn concurrent_deliveries_have_one_effect(h: impl Harness) {
     let msg = Delivery::new("stampede");
     let outcomes =
@@ -365,6 +389,7 @@ macro_rules! conformance_tests {
             handler_that_always_fails_is_never_marked_done
             panicking_body_commits_nothing
             cancelled_call_commits_nothing
+            nested_transactions_in_the_body_are_savepoints
             concurrent_deliveries_have_one_effect
             claim_waits_for_an_uncommitted_claim_then_sees_its_commit
             claim_waits_for_an_uncommitted_claim_then_runs_after_its_rollback

@@ -114,6 +114,9 @@ pub trait Harness {
     /// Calls the `payments` handler (`fingerprint = "label"`).
     fn deliver_payment(&self, msg: &Delivery) -> impl Future<Output = Outcome>;
 
+    /// Calls the `savepoints` handler, which nests transactions in its body.
+    fn deliver_savepoints(&self, msg: &Delivery) -> impl Future<Output = Outcome>;
+
     /// Calls the `keyed` handler, which records the idempotency key it is handed as its label.
     fn deliver_keyed(&self, msg: &Delivery) -> impl Future<Output = Outcome>;
 
@@ -191,6 +194,27 @@ macro_rules! effect_handlers {
             effect(tx, "keyed", &msg).await
         }
 
+        /// Writes an effect in a nested transaction (a savepoint) that it rolls back, one in a
+        /// nested transaction that it commits, then the effect of the message's behaviour.
+        #[idempotent(key = "message_id", consumer = "savepoints")]
+        pub async fn savepoints(tx: &mut $conn, msg: &Delivery) -> Result<(), TestError> {
+            use sqlx::Connection;
+            for (consumer, keep) in [("savepoint-undone", false), ("savepoint-kept", true)] {
+                let mut nested = tx.begin().await?;
+                sqlx::query($insert)
+                    .bind(consumer)
+                    .bind(&msg.label)
+                    .execute(&mut *nested)
+                    .await?;
+                if keep {
+                    nested.commit().await?;
+                } else {
+                    nested.rollback().await?;
+                }
+            }
+            effect(tx, "savepoints", msg).await
+        }
+
         #[idempotent(key = "raw_id", consumer = "orders")]
         pub async fn orders_by_raw_id(tx: &mut $conn, msg: &Delivery) -> Result<(), TestError> {
             effect(tx, "orders", msg).await
@@ -258,6 +282,10 @@ macro_rules! harness_methods {
 
         async fn deliver_keyed(&self, msg: &Delivery) -> Outcome {
             handlers::keyed(&self.inbox, msg).await
+        }
+
+        async fn deliver_savepoints(&self, msg: &Delivery) -> Outcome {
+            handlers::savepoints(&self.inbox, msg).await
         }
 
         async fn effects(&self, label: &str) -> i64 {
