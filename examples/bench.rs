@@ -11,7 +11,7 @@
 //! (b) the `#[idempotent]` handler;
 //! (c) the background article's check-then-insert: `SELECT` the key, `UPDATE`, `INSERT` the key,
 //!     retrying on a unique violation.
-//! Each runs with 1, 4 and 16 workers (a pool of as many connections), with 0% and 20% of the
+//! Each runs with 1, 4, 8 and 16 workers (a pool of as many connections), with 0% and 20% of the
 //! deliveries duplicates of earlier ones. Ratios, not absolute times, are the result.
 
 use std::sync::Arc;
@@ -122,11 +122,11 @@ mod on_sqlite {
     );
 }
 
-/// Measures the three variants with 1, 4 and 16 workers and 0% and 20% duplicates on one
+/// Measures the three variants with 1, 4, 8 and 16 workers and 0% and 20% duplicates on one
 /// backend: `$module` holds its handlers, `$connect(workers)` opens a pool of that size.
 macro_rules! measure {
     ($results:ident, $backend:literal, $module:ident, $count:expr, $int:literal, $connect:expr) => {
-        for workers in [1, 4, 16] {
+        for workers in [1, 4, 8, 16] {
             let pool = $connect(workers).await?;
             setup(&pool, $int).await;
             let inbox = Inbox::new(pool.clone());
@@ -469,6 +469,29 @@ async fn extras(url: &str, count: usize) -> Result<(), Box<dyn std::error::Error
     let (single, _) = run(inbox.clone(), 11).await;
     println!("  (b) one message per transaction   {single:>8.0} msg/s");
 
+    // The claim in a statement of its own: one round trip more.
+    reset(&pool).await;
+    let (separate, _) = run(inbox.clone().with_separate_claim(), 11).await;
+    println!(
+        "  (b) with_separate_claim()          {separate:>8.0} msg/s   ({:.2} of the claim sent with BEGIN)",
+        separate / single
+    );
+
+    // sqlx pings a connection when it goes back to the pool, and again when it is taken from
+    // the idle queue unless `test_before_acquire(false)`: a pool setting that saves a round trip.
+    let untested = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(WORKERS as u32)
+        .test_before_acquire(false)
+        .connect(url)
+        .await?;
+    reset(&pool).await;
+    let (without_test, _) = run(Inbox::new(untested.clone()), 11).await;
+    untested.close().await;
+    println!(
+        "  (b), pool without test_before_acquire {without_test:>5.0} msg/s   ({:.2} of the default pool)",
+        without_test / single
+    );
+
     // Batches of 100: one claim statement, one commit.
     reset(&pool).await;
     let messages = Arc::new(deliveries(count * 10, 0, 12));
@@ -529,11 +552,27 @@ async fn extras(url: &str, count: usize) -> Result<(), Box<dyn std::error::Error
         batched / single
     );
 
-    // pgbench running exactly the statements (b) sends.
-    if let Some(tps) = pgbench(url, WORKERS) {
+    // pgbench running exactly the statements (b) sends, and those (a) sends: the database's limit
+    // for each, and how close sqlx and the inbox come to it.
+    reset(&pool).await;
+    let (plain, _) = drive(Arc::new(deliveries(count, 0, 11)), WORKERS, {
+        let pool = pool.clone();
+        move |msg| {
+            let pool = pool.clone();
+            async move { on_postgres::plain(&pool, &msg).await.unwrap() }
+        }
+    })
+    .await;
+    if let (Some(b_limit), Some(a_limit)) = (pgbench(url, WORKERS, CLAIM_SQL), pgbench(url, WORKERS, "BEGIN;\n")) {
         println!(
-            "  pgbench, the same SQL              {tps:>8.0} tx/s    ((b) is {:.2} of it)",
-            single / tps
+            "  pgbench, the SQL (b) sends         {b_limit:>8.0} tx/s    ((b) is {:.2} of it; {:.2} with the pool setting)",
+            single / b_limit,
+            without_test / b_limit
+        );
+        println!(
+            "  pgbench, the SQL (a) sends         {a_limit:>8.0} tx/s    ((a) is {:.2} of it, at {plain:.0} msg/s; (b)/(a) {:.2})",
+            plain / a_limit,
+            single / plain
         );
     }
 
@@ -623,22 +662,27 @@ async fn instance(url: &str) -> Result<(), Box<dyn std::error::Error>> {
     Ok(())
 }
 
-/// Runs pgbench for 5 seconds with the statements of one (b) delivery; its tx/s.
-fn pgbench(url: &str, clients: usize) -> Option<f64> {
+/// What (b) sends before its `UPDATE`: the claim in one message with its `BEGIN` (`\\;` joins
+/// them in a pgbench script).
+const CLAIM_SQL: &str = "BEGIN \\; INSERT INTO idempotent_inbox (consumer, message_key, fingerprint) \
+    VALUES (convert_from(decode('706762656e6368', 'hex'), 'UTF8'), \
+    decode(md5(random()::text || clock_timestamp()::text), 'hex'), NULL);\n";
+
+/// Runs pgbench for 5 seconds, as simple queries, with one delivery's statements: `begin` (a
+/// plain `BEGIN`, or [`CLAIM_SQL`]), the `UPDATE`, `COMMIT`; its tx/s.
+fn pgbench(url: &str, clients: usize, begin: &str) -> Option<f64> {
     let script = std::env::temp_dir().join("idempotent-bench.sql");
     std::fs::write(
         &script,
-        "\\set id random(1, 10000)\n\
-         BEGIN;\n\
-         INSERT INTO idempotent_inbox (consumer, message_key, fingerprint, processed_at) \
-         VALUES ('pgbench', decode(md5(random()::text || clock_timestamp()::text), 'hex'), NULL, now()) \
-         ON CONFLICT DO NOTHING;\n\
-         UPDATE accounts SET balance = balance + 1 WHERE id = :id;\n\
-         COMMIT;\n",
+        format!(
+            "\\set id random(1, 10000)\n{begin}\
+             UPDATE accounts SET balance = balance + 1 WHERE id = :id;\n\
+             COMMIT;\n"
+        ),
     )
     .ok()?;
     let output = std::process::Command::new("pgbench")
-        .args(["-n", "-M", "prepared", "-T", "5", "-j", "2"])
+        .args(["-n", "-M", "simple", "-T", "5", "-j", "2"])
         .arg("-c")
         .arg(clients.to_string())
         .arg("-f")

@@ -7,6 +7,13 @@
 //! dropping an open transaction queues its rollback. One rule more: a connection dropped while a
 //! step was still in flight (a cancelled future, a panic), when nothing says whether a transaction
 //! is open on the server, is closed instead of going back to the pool, which ends that transaction.
+//!
+//! An inbox made for one worker ([`Inbox::for_worker`](crate::Inbox::for_worker)) keeps the
+//! connection of a transaction that ended cleanly and takes it for the next one, instead of
+//! handing it back to the pool and taking one again (sqlx checks a connection with a round trip
+//! at each of those).
+
+use std::sync::{Arc, Mutex};
 
 use sqlx::pool::PoolConnection;
 use sqlx::{AssertSqlSafe, Database, Pool, SqlSafeStr};
@@ -14,10 +21,15 @@ use sqlx_core::transaction::TransactionManager;
 
 use crate::store::{Backend, Statements};
 
-/// An open transaction, at depth one, on a connection taken from the pool. Dropped without
-/// [`commit`](Self::commit) or [`rollback`](Self::rollback), it rolls back.
+/// Where a worker's inbox keeps its connection between transactions.
+pub(crate) type Kept<DB> = Arc<Mutex<Option<PoolConnection<DB>>>>;
+
+/// An open transaction, at depth one, on a connection taken from the pool (or kept). Dropped
+/// without [`commit`](Self::commit) or [`rollback`](Self::rollback), it rolls back.
 pub(crate) struct InboxTransaction<DB: Backend> {
-    conn: PoolConnection<DB>,
+    /// `Some` until the connection goes back where it is kept.
+    conn: Option<PoolConnection<DB>>,
+    home: Option<Kept<DB>>,
 }
 
 impl<DB: Backend> InboxTransaction<DB> {
@@ -26,50 +38,84 @@ impl<DB: Backend> InboxTransaction<DB> {
     /// open).
     pub(crate) async fn claim(
         pool: &Pool<DB>,
+        home: Option<&Kept<DB>>,
         statements: &Statements,
         consumer: &str,
         key: &[u8],
         fingerprint: Option<&[u8]>,
     ) -> Result<Option<Self>, BeginError> {
-        let mut conn = InFlight::acquire(pool).await?;
+        let mut conn = InFlight::acquire(pool, home).await?;
         let claimed = DB::begin_claim(conn.get(), statements, consumer, key, fingerprint).await;
-        let conn = conn.landed();
-        Ok(claimed.map_err(BeginError::Claim)?.then_some(Self { conn }))
+        let tx = Self {
+            conn: Some(conn.landed()),
+            home: home.cloned(),
+        };
+        if claimed.map_err(BeginError::Claim)? {
+            return Ok(Some(tx));
+        }
+        tx.go_home();
+        Ok(None)
     }
 
     /// Takes a connection and begins a transaction that will write.
-    pub(crate) async fn begin(pool: &Pool<DB>) -> Result<Self, sqlx::Error> {
-        let mut conn = InFlight::acquire(pool).await.map_err(BeginError::into_inner)?;
+    pub(crate) async fn begin(pool: &Pool<DB>, home: Option<&Kept<DB>>) -> Result<Self, sqlx::Error> {
+        let mut conn = InFlight::acquire(pool, home)
+            .await
+            .map_err(BeginError::into_inner)?;
         let begun = begin::<DB>(conn.get()).await;
         let conn = conn.landed();
-        begun.map(|()| Self { conn })
+        begun.map(|()| Self {
+            conn: Some(conn),
+            home: home.cloned(),
+        })
     }
 
     /// The transaction's connection.
     pub(crate) fn connection(&mut self) -> &mut DB::Connection {
-        &mut self.conn
+        self.conn.as_mut().expect("a transaction has its connection until it ends")
     }
 
     /// Commits. On an error the transaction is dropped, which rolls back what is left of it.
     pub(crate) async fn commit(mut self) -> Result<(), sqlx::Error> {
-        <DB as Database>::TransactionManager::commit(&mut self.conn).await
+        <DB as Database>::TransactionManager::commit(self.connection()).await?;
+        self.go_home();
+        Ok(())
     }
 
     /// Rolls back. When that fails the connection is broken: it is closed instead of going back
     /// to the pool, and the server rolls back as the session ends.
     pub(crate) async fn rollback(mut self) {
-        if let Err(error) = <DB as Database>::TransactionManager::rollback(&mut self.conn).await {
-            tracing::warn!(%error, "rollback failed; the connection is closed");
-            self.conn.close_on_drop();
+        match <DB as Database>::TransactionManager::rollback(self.connection()).await {
+            Ok(()) => self.go_home(),
+            Err(error) => {
+                tracing::warn!(%error, "rollback failed; the connection is closed");
+                if let Some(conn) = &mut self.conn {
+                    conn.close_on_drop();
+                }
+            }
+        }
+    }
+
+    /// Puts the connection, with no transaction open, where its worker keeps it; or lets it go
+    /// back to the pool.
+    fn go_home(mut self) {
+        if let (Some(home), Some(conn)) = (&self.home, self.conn.take()) {
+            let mut slot = home.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            // Another transaction of the same worker's inbox may have put its own there first.
+            let spare = slot.replace(conn);
+            drop(slot);
+            drop(spare);
         }
     }
 }
 
 impl<DB: Backend> Drop for InboxTransaction<DB> {
     fn drop(&mut self) {
-        if <DB as Database>::TransactionManager::get_transaction_depth(&self.conn) > 0 {
+        if let Some(conn) = &mut self.conn
+            && <DB as Database>::TransactionManager::get_transaction_depth(conn) > 0
+        {
             // Sent before the connection's next use, which is the pool's check when it comes back.
-            <DB as Database>::TransactionManager::start_rollback(&mut self.conn);
+            <DB as Database>::TransactionManager::start_rollback(conn);
         }
     }
 }
@@ -100,8 +146,18 @@ impl BeginError {
 struct InFlight<DB: Database>(Option<PoolConnection<DB>>);
 
 impl<DB: Database> InFlight<DB> {
-    async fn acquire(pool: &Pool<DB>) -> Result<Self, BeginError> {
-        Ok(Self(Some(pool.acquire().await.map_err(BeginError::Acquire)?)))
+    /// The connection `home` keeps, if any; else one from the pool.
+    async fn acquire(pool: &Pool<DB>, home: Option<&Kept<DB>>) -> Result<Self, BeginError> {
+        let kept = home.and_then(|home| {
+            home.lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .take()
+        });
+        let conn = match kept {
+            Some(conn) => conn,
+            None => pool.acquire().await.map_err(BeginError::Acquire)?,
+        };
+        Ok(Self(Some(conn)))
     }
 
     fn get(&mut self) -> &mut PoolConnection<DB> {

@@ -149,6 +149,57 @@ pub async fn nested_transactions_in_the_body_are_savepoints(h: impl Harness) {
     assert_eq!(counts("nested").await, [0, 1, 1]);
 }
 
+/// A worker's inbox begins each transaction on the connection its last one ended cleanly on
+/// (a temporary table, which only its session sees, shows it), and handles every outcome as the
+/// shared inbox does.
+pub async fn worker_inbox_keeps_its_connection_between_messages(h: impl Harness) {
+    let worker = h.inbox().for_worker();
+    let mut first = worker
+        .claim("orders", &message_key("kept-1").unwrap())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        h.run_in(&mut first, "CREATE TEMPORARY TABLE kept_marker (x INTEGER)")
+            .await
+    );
+    first.commit().await.unwrap();
+
+    let paid = Delivery::new("kept-paid");
+    let failing = Delivery::new("kept-failing").behaving(Behaviour::Fail);
+    let deliver = async |msg: &Delivery| h.deliver_on(&worker, Consumer::Orders, msg).await;
+    assert!(deliver(&paid).await.unwrap().is_processed());
+    assert!(deliver(&paid).await.unwrap().is_duplicate());
+    assert!(matches!(deliver(&failing).await, Err(Error::Handler(_))));
+
+    // Take every idle connection from the pool (once those handed back have arrived there), so
+    // that the next claim cannot be given the first one's connection back by the pool.
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    let idle: Vec<_> = std::iter::from_fn(|| h.inbox().pool().try_acquire()).collect();
+    let mut last = worker
+        .claim("orders", &message_key("kept-2").unwrap())
+        .await
+        .unwrap()
+        .unwrap();
+    let same_session = h.run_in(&mut last, "SELECT COUNT(*) FROM kept_marker").await;
+    assert!(same_session, "the worker's inbox did not keep its connection");
+    last.commit().await.unwrap();
+    drop(idle);
+
+    let panicking = Delivery::new("kept-panicking").behaving(Behaviour::Panic);
+    let panicked = AssertUnwindSafe(deliver(&panicking)).catch_unwind().await;
+    assert!(panicked.is_err());
+    for label in ["kept-panicking", "kept-failing"] {
+        let redelivery = Delivery::new(label);
+        assert!(deliver(&redelivery).await.unwrap().is_processed());
+    }
+    drop(worker); // gives its connection back (the in-memory database has only one)
+    for label in ["kept-paid", "kept-failing", "kept-panicking"] {
+        assert_eq!(h.effects(label).await, 1, "{label}");
+    }
+    assert_eq!(h.inbox_rows().await, 5);
+}
+
 pub async fn concurrent_deliveries_have_one_effect(h: impl Harness) {
     let msg = Delivery::new("stampede");
     let outcomes =
@@ -390,6 +441,7 @@ macro_rules! conformance_tests {
             panicking_body_commits_nothing
             cancelled_call_commits_nothing
             nested_transactions_in_the_body_are_savepoints
+            worker_inbox_keeps_its_connection_between_messages
             concurrent_deliveries_have_one_effect
             claim_waits_for_an_uncommitted_claim_then_sees_its_commit
             claim_waits_for_an_uncommitted_claim_then_runs_after_its_rollback

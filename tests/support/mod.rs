@@ -5,7 +5,7 @@
 use std::future::Future;
 use std::sync::Arc;
 
-use idempotent::{Backend, Error, Handled, Inbox};
+use idempotent::{Backend, Claimed, Error, Handled, Inbox};
 use tokio::sync::Notify;
 
 #[cfg(feature = "mysql")]
@@ -94,6 +94,17 @@ pub trait Harness {
 
     /// Calls the handler of `consumer` with `msg`.
     fn deliver(&self, consumer: Consumer, msg: &Delivery) -> impl Future<Output = Outcome>;
+
+    /// Calls the handler of `consumer` with `msg` on `inbox` (one made from this harness's).
+    fn deliver_on(
+        &self,
+        inbox: &Inbox<Self::Db>,
+        consumer: Consumer,
+        msg: &Delivery,
+    ) -> impl Future<Output = Outcome>;
+
+    /// Runs `sql` in a claimed transaction; whether it succeeded.
+    fn run_in(&self, claimed: &mut Claimed<Self::Db>, sql: &str) -> impl Future<Output = bool>;
 
     /// How many times any handler's effect for `label` was committed.
     fn effects(&self, label: &str) -> impl Future<Output = i64>;
@@ -259,6 +270,22 @@ macro_rules! harness_methods {
 
         async fn deliver(&self, consumer: Consumer, msg: &Delivery) -> Outcome {
             handlers::deliver(&self.inbox, consumer, msg).await
+        }
+
+        async fn deliver_on(
+            &self,
+            inbox: &idempotent::Inbox<Self::Db>,
+            consumer: Consumer,
+            msg: &Delivery,
+        ) -> Outcome {
+            handlers::deliver(inbox, consumer, msg).await
+        }
+
+        async fn run_in(&self, claimed: &mut idempotent::Claimed<Self::Db>, sql: &str) -> bool {
+            sqlx::query(sqlx::AssertSqlSafe(sql.to_owned()))
+                .execute(claimed.connection())
+                .await
+                .is_ok()
         }
 
         async fn deliver_impatiently(&self, msg: &Delivery) -> Outcome {

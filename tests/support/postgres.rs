@@ -109,7 +109,8 @@ impl Harness for PgHarness {
             let waiting: i64 = sqlx::query_scalar(
                 "SELECT COUNT(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
                  WHERE NOT l.granted AND a.application_name = $1
-                   AND a.query LIKE '%INSERT INTO \"idempotent_inbox\" %'",
+                   AND (a.query LIKE 'INSERT INTO \"idempotent_inbox\" %'
+                        OR a.query LIKE 'BEGIN; EXECUTE idempotent_claim_%')",
             )
             .bind(&self.schema)
             .fetch_one(&self.pool)

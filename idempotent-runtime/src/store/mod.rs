@@ -271,6 +271,9 @@ pub struct Statements {
     /// Claim in a statement of its own after `BEGIN` (PostgreSQL claims with its `BEGIN` unless
     /// this is set).
     pub(crate) separate_claim: bool,
+    /// The claim PostgreSQL sessions prepare, made on first use.
+    #[cfg(feature = "postgres")]
+    pub(crate) prepared_claim: std::sync::OnceLock<postgres::PreparedClaim>,
     pub(crate) claim: Arc<str>,
     pub(crate) stored: Arc<str>,
     pub(crate) set_response: Arc<str>,
@@ -375,6 +378,8 @@ impl Statements {
             dialect,
             table: t,
             separate_claim: false,
+            #[cfg(feature = "postgres")]
+            prepared_claim: std::sync::OnceLock::new(),
             claim: claim.into(),
             stored: stored.into(),
             set_response: set_response.into(),

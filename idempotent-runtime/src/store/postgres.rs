@@ -1,16 +1,20 @@
 //! The inbox on PostgreSQL.
 //!
 //! The claim is an `INSERT` on the primary key, sent in one message with the `BEGIN` of the
-//! handler's `READ COMMITTED` transaction (`BEGIN; INSERT …`), so it costs no round trip of its
-//! own. When another transaction has inserted the same key and not yet ended, the insert waits for
-//! it on the index entry: after that transaction rolls back the insert goes ahead (ours to
-//! process), after it commits the insert fails with a unique violation, which is how the server
-//! reports a duplicate; the inbox then rolls back and returns `Duplicate`. There is no read before
-//! the write. The values travel as hex digits that the statement decodes
-//! (`decode('…', 'hex')`), so no byte of a key or a consumer name is ever spliced into SQL.
+//! handler's `READ COMMITTED` transaction, `BEGIN; EXECUTE idempotent_claim_…(…)`, so it costs no
+//! round trip of its own; the `INSERT` is a statement each session prepares once (with `PREPARE`,
+//! the first time a claim finds it missing), so it is not planned again for every message. When
+//! another transaction has inserted the same key and not yet ended, the insert waits for it on the
+//! index entry: after that transaction rolls back the insert goes ahead (ours to process), after it
+//! commits the insert fails with a unique violation, which is how the server reports a duplicate;
+//! the inbox then rolls back and returns `Duplicate`. There is no read before the write. The values
+//! travel as hex digits that the statement decodes (`decode('…', 'hex')`), so no byte of a key or a
+//! consumer name is ever spliced into SQL.
 //!
 //! The server writes each such unique violation to its log (at `ERROR`, with the statement), and
-//! leaves a dead row version for `VACUUM`. Where that is unwelcome,
+//! leaves a dead row version for `VACUUM`; a new session logs one `prepared statement does not
+//! exist` before it prepares the claim. Where that is unwelcome, or where a pooler in transaction
+//! mode (PgBouncer) does not keep a session's prepared statements,
 //! [`Inbox::with_separate_claim`](crate::Inbox::with_separate_claim) claims with
 //! `INSERT … ON CONFLICT DO NOTHING` in a statement of its own instead: no error for a duplicate,
 //! one round trip more per message.
@@ -49,6 +53,8 @@ use super::{
     Backend, Dialect, HandlerConnection, PurgeLock, Sealed, Statements, begin_then_claim,
     end_purge_session, run_all, shared_queries,
 };
+use sha2::{Digest, Sha256};
+
 use crate::key::hex;
 use crate::table::TableName;
 
@@ -106,19 +112,22 @@ impl Backend for Postgres {
         if statements.separate_claim {
             return begin_then_claim(conn, statements, consumer, key, fingerprint).await;
         }
-        let begin = AssertSqlSafe(begin_and_claim(statements, consumer, key, fingerprint));
-        let Err(error) = PgTransactionManager::begin(conn, Some(begin.into_sql_str())).await else {
-            return Ok(true);
-        };
-        // The insert failed in the transaction its message began, which is now aborted (or the
-        // `BEGIN` failed and there is none): end it before the connection goes back to the pool.
-        if conn.execute("ROLLBACK").await.is_err() {
-            conn.close_on_drop();
-            return Err(error);
+        let claim = statements
+            .prepared_claim
+            .get_or_init(|| PreparedClaim::new(statements));
+        let begin = claim.begin(consumer, key, fingerprint);
+        match begin_with(conn, &begin).await {
+            Err(error) if sqlstate(&error) == Some("26000") => {}
+            outcome => return outcome,
         }
-        match error.as_database_error() {
-            Some(database) if database.is_unique_violation() => Ok(false),
-            _ => Err(error),
+        // This session has not prepared the claim: a new connection, or a `DEALLOCATE`.
+        conn.execute(AssertSqlSafe(claim.prepare.clone())).await?;
+        match begin_with(conn, &begin).await {
+            // Still missing: a pooler in transaction mode moved us to another session.
+            Err(error) if sqlstate(&error) == Some("26000") => {
+                begin_then_claim(conn, statements, consumer, key, fingerprint).await
+            }
+            outcome => outcome,
         }
     }
 
@@ -212,23 +221,66 @@ impl Backend for Postgres {
     shared_queries!(PgPool, PgConnection);
 }
 
-/// `BEGIN; INSERT …` claiming `(consumer, key, fingerprint)`, every value as hex digits.
-fn begin_and_claim(
-    statements: &Statements,
-    consumer: &str,
-    key: &[u8],
-    fingerprint: Option<&[u8]>,
-) -> String {
-    let fingerprint = fingerprint.map_or_else(
-        || "NULL".to_owned(),
-        |fingerprint| format!("decode('{}', 'hex')", hex(fingerprint)),
-    );
-    format!(
-        "{}convert_from(decode('{}', 'hex'), 'UTF8'), decode('{}', 'hex'), {fingerprint})",
-        statements.table_sql("BEGIN; INSERT INTO {t} (consumer, message_key, fingerprint) VALUES ("),
-        hex(consumer.as_bytes()),
-        hex(key),
-    )
+/// The claim as a statement a session prepares: `PREPARE idempotent_claim_…` and its name, the
+/// same for every session using one table (the name has a digest of the table's).
+#[derive(Debug, Clone)]
+pub(crate) struct PreparedClaim {
+    name: String,
+    prepare: String,
+}
+
+impl PreparedClaim {
+    fn new(statements: &Statements) -> Self {
+        let insert = statements.table_sql(
+            "INSERT INTO {t} (consumer, message_key, fingerprint) VALUES ($1, $2, $3)",
+        );
+        let name = format!("idempotent_claim_{}", &hex(&Sha256::digest(&insert))[..16]);
+        let prepare = format!("PREPARE {name} (text, bytea, bytea) AS {insert}");
+        Self { name, prepare }
+    }
+
+    /// `BEGIN; EXECUTE …` claiming `(consumer, key, fingerprint)`, every value as hex digits.
+    fn begin(&self, consumer: &str, key: &[u8], fingerprint: Option<&[u8]>) -> String {
+        let fingerprint = fingerprint.map_or_else(
+            || "NULL".to_owned(),
+            |fingerprint| format!("decode('{}', 'hex')", hex(fingerprint)),
+        );
+        format!(
+            "BEGIN; EXECUTE {}(convert_from(decode('{}', 'hex'), 'UTF8'), decode('{}', 'hex'), {fingerprint})",
+            self.name,
+            hex(consumer.as_bytes()),
+            hex(key),
+        )
+    }
+}
+
+/// Sends `begin`, which begins the transaction and claims: `true` when the claim inserted the key
+/// (the transaction is open, at depth one), `false` when the key was there (rolled back).
+async fn begin_with(conn: &mut PoolConnection<Postgres>, begin: &str) -> Result<bool, sqlx::Error> {
+    let statement = AssertSqlSafe(begin.to_owned()).into_sql_str();
+    let Err(error) = PgTransactionManager::begin(conn, Some(statement)).await else {
+        return Ok(true);
+    };
+    // The claim failed in the transaction its message began, which is now aborted (or the `BEGIN`
+    // failed and there is none): end it before the connection is used again.
+    if conn.execute("ROLLBACK").await.is_err() {
+        conn.close_on_drop();
+        return Err(error);
+    }
+    match error.as_database_error() {
+        Some(database) if database.is_unique_violation() => Ok(false),
+        _ => Err(error),
+    }
+}
+
+/// The SQLSTATE of a database error.
+fn sqlstate(error: &sqlx::Error) -> Option<&str> {
+    match error {
+        sqlx::Error::Database(database) => database
+            .try_downcast_ref::<sqlx::postgres::PgDatabaseError>()
+            .map(|error| error.code()),
+        _ => None,
+    }
 }
 
 /// SQLSTATEs worth a retry: serialization failure, deadlock, lock not available, the server
