@@ -37,8 +37,8 @@ macro_rules! variants_on {
         use idempotent::idempotent;
 
         /// (a) no inbox.
-        pub async fn plain(pool: &sqlx::Pool<$db>, msg: &Transfer) -> Result<(), sqlx::Error> {
-            let mut tx = pool.begin().await?;
+        pub async fn plain(conn: &mut $conn, msg: &Transfer) -> Result<(), sqlx::Error> {
+            let mut tx = sqlx::Connection::begin(conn).await?;
             sqlx::query("UPDATE accounts SET balance = balance + 1 WHERE id = $1")
                 .bind(msg.account)
                 .execute(&mut *tx)
@@ -59,25 +59,19 @@ macro_rules! variants_on {
         /// (c) check, then insert, relying on the unique index and retrying on a violation (and,
         /// as a consumer would redeliver it, on a busy SQLite: a deferred transaction that read
         /// first cannot wait for the write lock).
-        pub async fn check_then_insert(
-            pool: &sqlx::Pool<$db>,
-            msg: &Transfer,
-        ) -> Result<(), sqlx::Error> {
+        pub async fn check_then_insert(conn: &mut $conn, msg: &Transfer) -> Result<(), sqlx::Error> {
             loop {
-                match check_then_insert_once(pool, msg).await {
+                match check_then_insert_once(conn, msg).await {
                     Err(e) if idempotent::is_retryable(&e) => continue,
                     other => return other,
                 }
             }
         }
 
-        async fn check_then_insert_once(
-            pool: &sqlx::Pool<$db>,
-            msg: &Transfer,
-        ) -> Result<(), sqlx::Error> {
+        async fn check_then_insert_once(conn: &mut $conn, msg: &Transfer) -> Result<(), sqlx::Error> {
             let key = idempotent::message_key(&msg.message_id).expect("a UUID key");
             loop {
-                let mut tx = pool.begin().await?;
+                let mut tx = sqlx::Connection::begin(&mut *conn).await?;
                 let seen: Option<i32> = sqlx::query_scalar(
                     "SELECT 1 FROM idempotent_inbox WHERE consumer = 'bench' AND message_key = $1",
                 )
@@ -122,8 +116,10 @@ mod on_sqlite {
     );
 }
 
-/// Measures the three variants with 1, 4, 8 and 16 workers and 0% and 20% duplicates on one
-/// backend: `$module` holds its handlers, `$connect(workers)` opens a pool of that size.
+/// Measures the three variants with 1, 4, 8 and 16 workers, 0% and 20% duplicates, and each
+/// worker taking a connection from the pool per message or holding one (for (b):
+/// `Inbox::for_worker`) on one backend: `$module` holds its handlers, `$connect(workers)` opens a
+/// pool of that size.
 macro_rules! measure {
     ($results:ident, $backend:literal, $module:ident, $count:expr, $int:literal, $connect:expr) => {
         for workers in [1, 4, 8, 16] {
@@ -131,38 +127,96 @@ macro_rules! measure {
             setup(&pool, $int).await;
             let inbox = Inbox::new(pool.clone());
             inbox.migrate().await?;
-            for share in [0, 20] {
-                let batch = Arc::new(deliveries($count, share, 7 + workers as u64));
-                for variant in [Variant::Plain, Variant::Inbox, Variant::CheckThenInsert] {
-                    reset(&pool).await;
-                    let (pool, inbox) = (pool.clone(), inbox.clone());
-                    let (per_second, latencies) = drive(batch.clone(), workers, move |msg| {
-                        let (pool, inbox) = (pool.clone(), inbox.clone());
-                        async move {
-                            match variant {
-                                Variant::Plain => $module::plain(&pool, &msg).await.unwrap(),
-                                Variant::Inbox => drop($module::inbox(&inbox, &msg).await.unwrap()),
-                                Variant::CheckThenInsert => {
-                                    $module::check_then_insert(&pool, &msg).await.unwrap()
+            for held in [false, true] {
+                for share in [0, 20] {
+                    let batch = Arc::new(deliveries($count, share, 7 + workers as u64));
+                    for variant in [Variant::Plain, Variant::Inbox, Variant::CheckThenInsert] {
+                        reset(&pool).await;
+                        let workers_state: Arc<Vec<Worker<_>>> = Arc::new(
+                            (0..workers).map(|_| Worker::new(&inbox, held)).collect(),
+                        );
+                        let (per_second, latencies) =
+                            drive(batch.clone(), workers, move |worker, msg| {
+                                let state = workers_state.clone();
+                                async move {
+                                    let worker = &state[worker];
+                                    match variant {
+                                        Variant::Inbox => {
+                                            drop($module::inbox(&worker.inbox, &msg).await.unwrap())
+                                        }
+                                        Variant::Plain => {
+                                            let mut conn = worker.connection().await;
+                                            $module::plain(&mut conn, &msg).await.unwrap();
+                                            worker.put_back(conn).await;
+                                        }
+                                        Variant::CheckThenInsert => {
+                                            let mut conn = worker.connection().await;
+                                            $module::check_then_insert(&mut conn, &msg)
+                                                .await
+                                                .unwrap();
+                                            worker.put_back(conn).await;
+                                        }
+                                    }
                                 }
-                            }
-                        }
-                    })
-                    .await;
-                    $results.push(Measured {
-                        backend: $backend,
-                        workers,
-                        duplicates: share,
-                        variant,
-                        per_second,
-                        p50: percentile(&latencies, 0.5),
-                        p99: percentile(&latencies, 0.99),
-                    });
+                            })
+                            .await;
+                        $results.push(Measured {
+                            backend: $backend,
+                            workers,
+                            held,
+                            duplicates: share,
+                            variant,
+                            per_second,
+                            p50: percentile(&latencies, 0.5),
+                            p99: percentile(&latencies, 0.99),
+                        });
+                    }
                 }
             }
             pool.close().await;
         }
     };
+}
+
+/// What one worker task uses: its inbox, and the connection it holds (when it holds one).
+struct Worker<DB: idempotent::Backend> {
+    inbox: Inbox<DB>,
+    held: Option<tokio::sync::Mutex<Option<sqlx::pool::PoolConnection<DB>>>>,
+}
+
+impl<DB: idempotent::Backend> Worker<DB> {
+    fn new(inbox: &Inbox<DB>, held: bool) -> Self {
+        if held {
+            Self {
+                inbox: inbox.for_worker(),
+                held: Some(tokio::sync::Mutex::new(None)),
+            }
+        } else {
+            Self {
+                inbox: inbox.clone(),
+                held: None,
+            }
+        }
+    }
+
+    /// The held connection, or one from the pool.
+    async fn connection(&self) -> sqlx::pool::PoolConnection<DB> {
+        let kept = match &self.held {
+            Some(held) => held.lock().await.take(),
+            None => None,
+        };
+        match kept {
+            Some(conn) => conn,
+            None => self.inbox.pool().acquire().await.unwrap(),
+        }
+    }
+
+    /// Holds `conn` again, or hands it back to the pool.
+    async fn put_back(&self, conn: sqlx::pool::PoolConnection<DB>) {
+        if let Some(held) = &self.held {
+            *held.lock().await = Some(conn);
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -177,6 +231,8 @@ enum Variant {
 struct Measured {
     backend: &'static str,
     workers: usize,
+    /// Each worker holds a connection, rather than taking one from the pool per message.
+    held: bool,
     duplicates: u32,
     variant: Variant,
     per_second: f64,
@@ -202,20 +258,21 @@ fn deliveries(count: usize, share: u32, seed: u64) -> Vec<Transfer> {
     out
 }
 
-/// Runs `deliveries` through `handle` on `workers` tasks; returns throughput and latencies.
+/// Runs `deliveries` through `handle(worker, delivery)` on `workers` tasks; returns throughput and
+/// latencies.
 async fn drive<F, Fut>(
     deliveries: Arc<Vec<Transfer>>,
     workers: usize,
     handle: F,
 ) -> (f64, Vec<Duration>)
 where
-    F: Fn(Transfer) -> Fut + Clone + Send + 'static,
+    F: Fn(usize, Transfer) -> Fut + Clone + Send + 'static,
     Fut: std::future::Future<Output = ()> + Send,
 {
     let next = Arc::new(AtomicUsize::new(0));
     let started = Instant::now();
     let tasks: Vec<_> = (0..workers)
-        .map(|_| {
+        .map(|worker| {
             let (next, deliveries, handle) = (next.clone(), deliveries.clone(), handle.clone());
             tokio::spawn(async move {
                 let mut latencies = Vec::new();
@@ -223,7 +280,7 @@ where
                     let i = next.fetch_add(1, Ordering::Relaxed);
                     let Some(msg) = deliveries.get(i) else { break };
                     let t = Instant::now();
-                    handle(msg.clone()).await;
+                    handle(worker, msg.clone()).await;
                     latencies.push(t.elapsed());
                 }
                 latencies
@@ -304,7 +361,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
 
     print_table(&results);
-    extras(&pg_db, count).await?;
+    extras(&pg_db, count, &results).await?;
     Ok(())
 }
 
@@ -337,8 +394,9 @@ async fn fresh_postgres(base: &str) -> String {
 
 fn print_table(results: &[Measured]) {
     println!(
-        "\n{:<11} {:>7} {:>5}  {:>20} {:>20} {:>20}  {:>7} {:>7}",
+        "\n{:<11} {:>5} {:>7} {:>5}  {:>20} {:>20} {:>20}  {:>7} {:>7}",
         "backend",
+        "conn.",
         "workers",
         "dup%",
         "(a) no inbox",
@@ -348,8 +406,8 @@ fn print_table(results: &[Measured]) {
         "b/c"
     );
     println!(
-        "{:<11} {:>7} {:>5}  {:>20} {:>20} {:>20}",
-        "", "", "", "msg/s p50 p99 ms", "msg/s p50 p99 ms", "msg/s p50 p99 ms"
+        "{:<11} {:>5} {:>7} {:>5}  {:>20} {:>20} {:>20}",
+        "", "", "", "", "msg/s p50 p99 ms", "msg/s p50 p99 ms", "msg/s p50 p99 ms"
     );
     for row in results.chunks(3) {
         let cell = |m: &Measured| {
@@ -362,8 +420,9 @@ fn print_table(results: &[Measured]) {
         };
         let (a, b, c) = (&row[0], &row[1], &row[2]);
         println!(
-            "{:<11} {:>7} {:>5}  {:>20} {:>20} {:>20}  {:>7.2} {:>7.2}",
+            "{:<11} {:>5} {:>7} {:>5}  {:>20} {:>20} {:>20}  {:>7.2} {:>7.2}",
             a.backend,
+            if a.held { "held" } else { "pool" },
             a.workers,
             a.duplicates,
             cell(a),
@@ -376,29 +435,31 @@ fn print_table(results: &[Measured]) {
     write_plot(results);
 }
 
-/// Throughput of each variant by workers, one panel per backend and duplicate share, as SVG.
+/// Throughput of each variant by workers, one panel per backend, connection use and duplicate
+/// share, as SVG.
 fn write_plot(results: &[Measured]) {
     use plotters::prelude::*;
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/bench.svg");
-    let root = SVGBackend::new(&path, (1000, 700)).into_drawing_area();
+    let root = SVGBackend::new(&path, (1600, 700)).into_drawing_area();
     root.fill(&WHITE).unwrap();
-    let panels = root.split_evenly((2, 2));
-    let keys = [
-        ("PostgreSQL", 0),
-        ("PostgreSQL", 20),
-        ("SQLite", 0),
-        ("SQLite", 20),
-    ];
-    for (panel, (backend, share)) in panels.iter().zip(keys) {
+    let panels = root.split_evenly((2, 4));
+    let keys = ["PostgreSQL", "SQLite"].into_iter().flat_map(|backend| {
+        [(false, 0), (false, 20), (true, 0), (true, 20)]
+            .map(|(held, share)| (backend, held, share))
+    });
+    for (panel, (backend, held, share)) in panels.iter().zip(keys) {
         let rows: Vec<&Measured> = results
             .iter()
-            .filter(|m| m.backend == backend && m.duplicates == share)
+            .filter(|m| m.backend == backend && m.held == held && m.duplicates == share)
             .collect();
         let top = rows.iter().map(|m| m.per_second).fold(0.0, f64::max) * 1.15;
         let mut chart = ChartBuilder::on(panel)
             .caption(
-                format!("{backend}, {share}% duplicates"),
-                ("sans-serif", 18),
+                format!(
+                    "{backend}, {}, {share}% dup.",
+                    if held { "held connections" } else { "pool" }
+                ),
+                ("sans-serif", 16),
             )
             .margin(10)
             .x_label_area_size(30)
@@ -445,10 +506,23 @@ fn write_plot(results: &[Measured]) {
     println!("\nplot: {}", path.display());
 }
 
-/// Batches, a large inbox, a purge during the run, and pgbench as the physical limit; all on
-/// PostgreSQL with 8 workers.
-async fn extras(url: &str, count: usize) -> Result<(), Box<dyn std::error::Error>> {
+/// Batches, pgbench as the physical limit, several instances, a large inbox, a purge during the
+/// run; all on PostgreSQL with 8 workers, next to the figures of the main run (`results`).
+async fn extras(
+    url: &str,
+    count: usize,
+    results: &[Measured],
+) -> Result<(), Box<dyn std::error::Error>> {
     const WORKERS: usize = 8;
+    let main_run = |variant: Variant, held: bool| {
+        results
+            .iter()
+            .find(|m| {
+                (m.backend, m.workers, m.duplicates, m.variant, m.held)
+                    == ("PostgreSQL", WORKERS, 0, variant, held)
+            })
+            .map_or(f64::NAN, |m| m.per_second)
+    };
     let pool = sqlx::postgres::PgPoolOptions::new()
         .max_connections(WORKERS as u32)
         .connect(url)
@@ -457,7 +531,7 @@ async fn extras(url: &str, count: usize) -> Result<(), Box<dyn std::error::Error
     let run = |inbox: Inbox<sqlx::Postgres>, seed: u64| {
         let batch = Arc::new(deliveries(count, 0, seed));
         async move {
-            drive(batch, WORKERS, move |msg| {
+            drive(batch, WORKERS, move |_, msg| {
                 let inbox = inbox.clone();
                 async move { drop(on_postgres::inbox(&inbox, &msg).await.unwrap()) }
             })
@@ -475,21 +549,6 @@ async fn extras(url: &str, count: usize) -> Result<(), Box<dyn std::error::Error
     println!(
         "  (b) with_separate_claim()          {separate:>8.0} msg/s   ({:.2} of the claim sent with BEGIN)",
         separate / single
-    );
-
-    // sqlx pings a connection when it goes back to the pool, and again when it is taken from
-    // the idle queue unless `test_before_acquire(false)`: a pool setting that saves a round trip.
-    let untested = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(WORKERS as u32)
-        .test_before_acquire(false)
-        .connect(url)
-        .await?;
-    reset(&pool).await;
-    let (without_test, _) = run(Inbox::new(untested.clone()), 11).await;
-    untested.close().await;
-    println!(
-        "  (b), pool without test_before_acquire {without_test:>5.0} msg/s   ({:.2} of the default pool)",
-        without_test / single
     );
 
     // Batches of 100: one claim statement, one commit.
@@ -552,29 +611,33 @@ async fn extras(url: &str, count: usize) -> Result<(), Box<dyn std::error::Error
         batched / single
     );
 
-    // pgbench running exactly the statements (b) sends, and those (a) sends: the database's limit
-    // for each, and how close sqlx and the inbox come to it.
-    reset(&pool).await;
-    let (plain, _) = drive(Arc::new(deliveries(count, 0, 11)), WORKERS, {
-        let pool = pool.clone();
-        move |msg| {
-            let pool = pool.clone();
-            async move { on_postgres::plain(&pool, &msg).await.unwrap() }
-        }
-    })
-    .await;
-    if let (Some(b_limit), Some(a_limit)) = (pgbench(url, WORKERS, CLAIM_SQL), pgbench(url, WORKERS, "BEGIN;\n")) {
-        println!(
-            "  pgbench, the SQL (b) sends         {b_limit:>8.0} tx/s    ((b) is {:.2} of it; {:.2} with the pool setting)",
-            single / b_limit,
-            without_test / b_limit
-        );
-        println!(
-            "  pgbench, the SQL (a) sends         {a_limit:>8.0} tx/s    ((a) is {:.2} of it, at {plain:.0} msg/s; (b)/(a) {:.2})",
-            plain / a_limit,
-            single / plain
-        );
-    }
+    // pgbench running the statements (b) sends, and those (a) sends: the database's limit for
+    // each. (b)'s claim is a prepared statement sent with its `BEGIN`, which a pgbench script
+    // cannot do; the limit is the better of the claim sent with `BEGIN` as a simple query and all
+    // statements prepared, the claim on its own.
+    let b_limit = [(CLAIM_SQL, "simple"), (SEPARATE_CLAIM_SQL, "prepared")]
+        .into_iter()
+        .filter_map(|(begin, mode)| pgbench(url, WORKERS, begin, mode))
+        .fold(f64::NAN, f64::max);
+    let a_limit = pgbench(url, WORKERS, "BEGIN;\n", "prepared").unwrap_or(f64::NAN);
+    let (a_pool, a_held) = (main_run(Variant::Plain, false), main_run(Variant::Plain, true));
+    let (b_pool, b_held) = (main_run(Variant::Inbox, false), main_run(Variant::Inbox, true));
+    println!(
+        "  pgbench, the SQL (b) sends         {b_limit:>8.0} tx/s    (b) reaches {:.2} of it from the pool, {:.2} with for_worker()",
+        b_pool / b_limit,
+        b_held / b_limit
+    );
+    println!(
+        "  pgbench, the SQL (a) sends         {a_limit:>8.0} tx/s    (a) reaches {:.2} of it from the pool, {:.2} holding a connection",
+        a_pool / a_limit,
+        a_held / a_limit
+    );
+    println!(
+        "  the database's own (b)/(a)             {:.2}          (b)/(a) {:.2} from the pool, {:.2} holding connections",
+        b_limit / a_limit,
+        b_pool / a_pool,
+        b_held / a_held
+    );
 
     // Instances that share one database, as users grow past one machine: 4 processes with 2
     // workers each against 1 process with 8 (the figure above), the same messages in all.
@@ -654,7 +717,7 @@ async fn instance(url: &str) -> Result<(), Box<dyn std::error::Error>> {
         .connect(url)
         .await?;
     let inbox = Inbox::new(pool);
-    drive(Arc::new(deliveries(count, 0, seed)), 2, move |msg| {
+    drive(Arc::new(deliveries(count, 0, seed)), 2, move |_, msg| {
         let inbox = inbox.clone();
         async move { drop(on_postgres::inbox(&inbox, &msg).await.unwrap()) }
     })
@@ -668,9 +731,14 @@ const CLAIM_SQL: &str = "BEGIN \\; INSERT INTO idempotent_inbox (consumer, messa
     VALUES (convert_from(decode('706762656e6368', 'hex'), 'UTF8'), \
     decode(md5(random()::text || clock_timestamp()::text), 'hex'), NULL);\n";
 
-/// Runs pgbench for 5 seconds, as simple queries, with one delivery's statements: `begin` (a
-/// plain `BEGIN`, or [`CLAIM_SQL`]), the `UPDATE`, `COMMIT`; its tx/s.
-fn pgbench(url: &str, clients: usize, begin: &str) -> Option<f64> {
+/// The same with the claim as a statement of its own.
+const SEPARATE_CLAIM_SQL: &str = "BEGIN;\n\
+    INSERT INTO idempotent_inbox (consumer, message_key, fingerprint) \
+    VALUES ('pgbench', decode(md5(random()::text || clock_timestamp()::text), 'hex'), NULL);\n";
+
+/// Runs pgbench for 5 seconds in query `mode` with one delivery's statements: `begin` (a plain
+/// `BEGIN`, or with the claim), the `UPDATE`, `COMMIT`; its tx/s.
+fn pgbench(url: &str, clients: usize, begin: &str, mode: &str) -> Option<f64> {
     let script = std::env::temp_dir().join("idempotent-bench.sql");
     std::fs::write(
         &script,
@@ -682,7 +750,7 @@ fn pgbench(url: &str, clients: usize, begin: &str) -> Option<f64> {
     )
     .ok()?;
     let output = std::process::Command::new("pgbench")
-        .args(["-n", "-M", "simple", "-T", "5", "-j", "2"])
+        .args(["-n", "-M", mode, "-T", "5", "-j", "2"])
         .arg("-c")
         .arg(clients.to_string())
         .arg("-f")
