@@ -59,7 +59,10 @@ macro_rules! variants_on {
         /// (c) check, then insert, relying on the unique index and retrying on a violation (and,
         /// as a consumer would redeliver it, on a busy SQLite: a deferred transaction that read
         /// first cannot wait for the write lock).
-        pub async fn check_then_insert(conn: &mut $conn, msg: &Transfer) -> Result<(), sqlx::Error> {
+        pub async fn check_then_insert(
+            conn: &mut $conn,
+            msg: &Transfer,
+        ) -> Result<(), sqlx::Error> {
             loop {
                 match check_then_insert_once(conn, msg).await {
                     Err(e) if idempotent::is_retryable(&e) => continue,
@@ -68,7 +71,10 @@ macro_rules! variants_on {
             }
         }
 
-        async fn check_then_insert_once(conn: &mut $conn, msg: &Transfer) -> Result<(), sqlx::Error> {
+        async fn check_then_insert_once(
+            conn: &mut $conn,
+            msg: &Transfer,
+        ) -> Result<(), sqlx::Error> {
             let key = idempotent::message_key(&msg.message_id).expect("a UUID key");
             loop {
                 let mut tx = sqlx::Connection::begin(&mut *conn).await?;
@@ -132,9 +138,8 @@ macro_rules! measure {
                     let batch = Arc::new(deliveries($count, share, 7 + workers as u64));
                     for variant in [Variant::Plain, Variant::Inbox, Variant::CheckThenInsert] {
                         reset(&pool).await;
-                        let workers_state: Arc<Vec<Worker<_>>> = Arc::new(
-                            (0..workers).map(|_| Worker::new(&inbox, held)).collect(),
-                        );
+                        let workers_state: Arc<Vec<Worker<_>>> =
+                            Arc::new((0..workers).map(|_| Worker::new(&inbox, held)).collect());
                         let (per_second, latencies) =
                             drive(batch.clone(), workers, move |worker, msg| {
                                 let state = workers_state.clone();
@@ -444,8 +449,7 @@ fn write_plot(results: &[Measured]) {
     root.fill(&WHITE).unwrap();
     let panels = root.split_evenly((2, 4));
     let keys = ["PostgreSQL", "SQLite"].into_iter().flat_map(|backend| {
-        [(false, 0), (false, 20), (true, 0), (true, 20)]
-            .map(|(held, share)| (backend, held, share))
+        [(false, 0), (false, 20), (true, 0), (true, 20)].map(|(held, share)| (backend, held, share))
     });
     for (panel, (backend, held, share)) in panels.iter().zip(keys) {
         let rows: Vec<&Measured> = results
@@ -620,8 +624,14 @@ async fn extras(
         .filter_map(|(begin, mode)| pgbench(url, WORKERS, begin, mode))
         .fold(f64::NAN, f64::max);
     let a_limit = pgbench(url, WORKERS, "BEGIN;\n", "prepared").unwrap_or(f64::NAN);
-    let (a_pool, a_held) = (main_run(Variant::Plain, false), main_run(Variant::Plain, true));
-    let (b_pool, b_held) = (main_run(Variant::Inbox, false), main_run(Variant::Inbox, true));
+    let (a_pool, a_held) = (
+        main_run(Variant::Plain, false),
+        main_run(Variant::Plain, true),
+    );
+    let (b_pool, b_held) = (
+        main_run(Variant::Inbox, false),
+        main_run(Variant::Inbox, true),
+    );
     println!(
         "  pgbench, the SQL (b) sends         {b_limit:>8.0} tx/s    (b) reaches {:.2} of it from the pool, {:.2} with for_worker()",
         b_pool / b_limit,

@@ -16,3 +16,34 @@ mod in_memory {
 
     conformance_tests!(SqliteHarness::in_memory().await);
 }
+
+/// An inbox queues its own writers for SQLite's one write lock. A claim made while a transaction of
+/// the same inbox is open (a handler calling another handler on the same inbox) waits in that queue
+/// for a while, then meets the database's lock and fails with a retryable busy error, rather than
+/// wait for ever; once the first transaction ends, the claim goes ahead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_nested_in_a_transaction_of_the_same_inbox_fails_retryably() {
+    use idempotent::message_key;
+
+    let h = SqliteHarness::new().await;
+    let inbox = &h.impatient; // its connections give up on the lock after 300 ms
+    let outer = message_key("outer").unwrap();
+    let inner = message_key("inner").unwrap();
+    let held = inbox.claim("orders", &outer).await.unwrap().unwrap();
+    let nested = tokio::time::timeout(
+        std::time::Duration::from_secs(30),
+        inbox.claim("orders", &inner),
+    )
+    .await
+    .expect("the nested claim waited for ever");
+    let error = nested.unwrap_err();
+    assert!(error.is_retryable(), "{error:?}");
+    held.commit().await.unwrap();
+    let claimed = inbox.claim("orders", &inner).await.unwrap();
+    claimed
+        .expect("the key was never claimed")
+        .commit()
+        .await
+        .unwrap();
+    assert!(inbox.is_processed("orders", "inner").await.unwrap());
+}

@@ -70,7 +70,7 @@ impl<DB: Backend> Inbox<DB> {
         let mut sorted: Vec<&[u8]> = keys.iter().map(MessageKey::as_bytes).collect();
         sorted.sort_unstable();
         sorted.dedup();
-        let mut tx = InboxTransaction::begin(&self.pool, self.kept.as_ref())
+        let mut tx = InboxTransaction::begin(self.resources())
             .await
             .map_err(InboxError::database(Stage::Begin))?;
         let inserted: HashSet<Vec<u8>> =

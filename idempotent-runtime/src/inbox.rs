@@ -6,6 +6,7 @@ use std::sync::Arc;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use sqlx::Pool;
+use tokio::sync::Semaphore;
 
 use crate::error::{Error, InboxError, Stage};
 use crate::key::{IdempotencyKey, MessageKey, StableKey, message_key};
@@ -13,7 +14,7 @@ use crate::metrics::{Metrics, MetricsSnapshot};
 use crate::retention::Retention;
 use crate::store::{Backend, HandlerConnection, Statements};
 use crate::table::TableName;
-use crate::transaction::{BeginError, InboxTransaction, Kept};
+use crate::transaction::{BeginError, InboxTransaction, Kept, Resources};
 
 /// The longest consumer name accepted, in bytes.
 pub const MAX_CONSUMER_LEN: usize = 200;
@@ -31,6 +32,8 @@ pub struct Inbox<DB: Backend> {
     pub(crate) metrics: Arc<Metrics>,
     /// The connection a worker's inbox keeps between transactions ([`Inbox::for_worker`]).
     pub(crate) kept: Option<Kept<DB>>,
+    /// The queue of this inbox's writers, on a database with one writer at a time.
+    pub(crate) writers: Option<Arc<Semaphore>>,
 }
 
 /// The inbox a handler taking a `&mut C` connection is rewritten to take:
@@ -71,6 +74,7 @@ impl<DB: Backend> Inbox<DB> {
             retention: Arc::new(Retention::default()),
             metrics: Arc::default(),
             kept: None,
+            writers: DB::ONE_WRITER.then(|| Arc::new(Semaphore::new(1))),
         }
     }
 
@@ -173,8 +177,7 @@ impl<DB: Backend> Inbox<DB> {
             span.record("key", tracing::field::display(key.digest()));
         }
         let claimed = InboxTransaction::claim(
-            &self.pool,
-            self.kept.as_ref(),
+            self.resources(),
             &self.statements,
             consumer,
             key.as_bytes(),
@@ -219,6 +222,15 @@ impl<DB: Backend> Inbox<DB> {
         Ok(Claim::Duplicate { response })
     }
 
+    /// What its transactions need besides the statements.
+    pub(crate) fn resources(&self) -> Resources<'_, DB> {
+        Resources {
+            pool: &self.pool,
+            kept: self.kept.as_ref(),
+            writers: self.writers.as_ref(),
+        }
+    }
+
     /// Whether the inbox records `key` as processed by `consumer` (committed claims only).
     pub async fn is_processed<K: StableKey + ?Sized>(
         &self,
@@ -242,6 +254,7 @@ impl<DB: Backend> Clone for Inbox<DB> {
             retention: self.retention.clone(),
             metrics: self.metrics.clone(),
             kept: self.kept.clone(),
+            writers: self.writers.clone(),
         }
     }
 }

@@ -14,15 +14,37 @@
 //! at each of those).
 
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use sqlx::pool::PoolConnection;
 use sqlx::{AssertSqlSafe, Database, Pool, SqlSafeStr};
 use sqlx_core::transaction::TransactionManager;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::store::{Backend, Statements};
 
 /// Where a worker's inbox keeps its connection between transactions.
 pub(crate) type Kept<DB> = Arc<Mutex<Option<PoolConnection<DB>>>>;
+
+/// What a transaction needs besides the pool: the connection its worker keeps, and the queue of an
+/// inbox's writers on a database with one writer at a time.
+pub(crate) struct Resources<'a, DB: Database> {
+    pub(crate) pool: &'a Pool<DB>,
+    pub(crate) kept: Option<&'a Kept<DB>>,
+    pub(crate) writers: Option<&'a Arc<Semaphore>>,
+}
+
+// Not derived: that would ask for `DB: Copy`.
+impl<DB: Database> Clone for Resources<'_, DB> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<DB: Database> Copy for Resources<'_, DB> {}
+
+/// How long a transaction waits in the writers' queue before it goes on to the database's lock.
+const WRITERS_QUEUE_PATIENCE: Duration = Duration::from_secs(5);
 
 /// An open transaction, at depth one, on a connection taken from the pool (or kept). Dropped
 /// without [`commit`](Self::commit) or [`rollback`](Self::rollback), it rolls back.
@@ -30,6 +52,8 @@ pub(crate) struct InboxTransaction<DB: Backend> {
     /// `Some` until the connection goes back where it is kept.
     conn: Option<PoolConnection<DB>>,
     home: Option<Kept<DB>>,
+    /// This transaction's turn in the writers' queue, released when it ends.
+    _turn: Option<OwnedSemaphorePermit>,
 }
 
 impl<DB: Backend> InboxTransaction<DB> {
@@ -37,18 +61,19 @@ impl<DB: Backend> InboxTransaction<DB> {
     /// the transaction when this call inserted the key, `None` when it was there (nothing is left
     /// open).
     pub(crate) async fn claim(
-        pool: &Pool<DB>,
-        home: Option<&Kept<DB>>,
+        with: Resources<'_, DB>,
         statements: &Statements,
         consumer: &str,
         key: &[u8],
         fingerprint: Option<&[u8]>,
     ) -> Result<Option<Self>, BeginError> {
-        let mut conn = InFlight::acquire(pool, home).await?;
+        let turn = take_turn(with.writers).await;
+        let mut conn = InFlight::acquire(with).await?;
         let claimed = DB::begin_claim(conn.get(), statements, consumer, key, fingerprint).await;
         let tx = Self {
             conn: Some(conn.landed()),
-            home: home.cloned(),
+            home: with.kept.cloned(),
+            _turn: turn,
         };
         if claimed.map_err(BeginError::Claim)? {
             return Ok(Some(tx));
@@ -58,21 +83,25 @@ impl<DB: Backend> InboxTransaction<DB> {
     }
 
     /// Takes a connection and begins a transaction that will write.
-    pub(crate) async fn begin(pool: &Pool<DB>, home: Option<&Kept<DB>>) -> Result<Self, sqlx::Error> {
-        let mut conn = InFlight::acquire(pool, home)
+    pub(crate) async fn begin(with: Resources<'_, DB>) -> Result<Self, sqlx::Error> {
+        let turn = take_turn(with.writers).await;
+        let mut conn = InFlight::acquire(with)
             .await
             .map_err(BeginError::into_inner)?;
         let begun = begin::<DB>(conn.get()).await;
         let conn = conn.landed();
         begun.map(|()| Self {
             conn: Some(conn),
-            home: home.cloned(),
+            home: with.kept.cloned(),
+            _turn: turn,
         })
     }
 
     /// The transaction's connection.
     pub(crate) fn connection(&mut self) -> &mut DB::Connection {
-        self.conn.as_mut().expect("a transaction has its connection until it ends")
+        self.conn
+            .as_mut()
+            .expect("a transaction has its connection until it ends")
     }
 
     /// Commits. On an error the transaction is dropped, which rolls back what is left of it.
@@ -120,6 +149,16 @@ impl<DB: Backend> Drop for InboxTransaction<DB> {
     }
 }
 
+/// Waits for a turn in the writers' queue, if there is one, for at most
+/// [`WRITERS_QUEUE_PATIENCE`]; `None` after that, or without a queue.
+async fn take_turn(writers: Option<&Arc<Semaphore>>) -> Option<OwnedSemaphorePermit> {
+    let turn = writers?.clone().acquire_owned();
+    tokio::time::timeout(WRITERS_QUEUE_PATIENCE, turn)
+        .await
+        .ok()?
+        .ok()
+}
+
 /// Begins a transaction on `conn` with the backend's `BEGIN` and sqlx's depth tracking.
 pub(crate) async fn begin<DB: Backend>(conn: &mut DB::Connection) -> Result<(), sqlx::Error> {
     let statement = AssertSqlSafe(DB::DIALECT.begin).into_sql_str();
@@ -146,16 +185,16 @@ impl BeginError {
 struct InFlight<DB: Database>(Option<PoolConnection<DB>>);
 
 impl<DB: Database> InFlight<DB> {
-    /// The connection `home` keeps, if any; else one from the pool.
-    async fn acquire(pool: &Pool<DB>, home: Option<&Kept<DB>>) -> Result<Self, BeginError> {
-        let kept = home.and_then(|home| {
+    /// The connection its worker keeps, if any; else one from the pool.
+    async fn acquire(with: Resources<'_, DB>) -> Result<Self, BeginError> {
+        let kept = with.kept.and_then(|home| {
             home.lock()
                 .unwrap_or_else(|poisoned| poisoned.into_inner())
                 .take()
         });
         let conn = match kept {
             Some(conn) => conn,
-            None => pool.acquire().await.map_err(BeginError::Acquire)?,
+            None => with.pool.acquire().await.map_err(BeginError::Acquire)?,
         };
         Ok(Self(Some(conn)))
     }

@@ -139,7 +139,12 @@ pub async fn nested_transactions_in_the_body_are_savepoints(h: impl Harness) {
     let error = h.deliver_savepoints(&failing).await.unwrap_err();
     assert!(matches!(error, Error::Handler(_)), "{error:?}");
     assert_eq!(counts("nested").await, [0, 0, 0], "a failed body committed");
-    assert!(!h.inbox().is_processed("savepoints", "nested").await.unwrap());
+    assert!(
+        !h.inbox()
+            .is_processed("savepoints", "nested")
+            .await
+            .unwrap()
+    );
 
     let outcome = h.deliver_savepoints(&Delivery::new("nested")).await;
     assert!(matches!(outcome, Ok(Handled::Processed(()))), "{outcome:?}");
@@ -181,8 +186,13 @@ pub async fn worker_inbox_keeps_its_connection_between_messages(h: impl Harness)
         .await
         .unwrap()
         .unwrap();
-    let same_session = h.run_in(&mut last, "SELECT COUNT(*) FROM kept_marker").await;
-    assert!(same_session, "the worker's inbox did not keep its connection");
+    let same_session = h
+        .run_in(&mut last, "SELECT COUNT(*) FROM kept_marker")
+        .await;
+    assert!(
+        same_session,
+        "the worker's inbox did not keep its connection"
+    );
     last.commit().await.unwrap();
     drop(idle);
 

@@ -10,8 +10,8 @@
 use std::future::Future;
 use std::sync::Arc;
 
-use sqlx::pool::PoolConnection;
 use sqlx::Pool;
+use sqlx::pool::PoolConnection;
 use sqlx_core::transaction::TransactionManager;
 
 use crate::table::TableName;
@@ -45,6 +45,11 @@ pub trait Backend: sqlx::Database + Sealed {
     #[doc(hidden)]
     /// How this database spells what the statements need.
     const DIALECT: Dialect;
+
+    #[doc(hidden)]
+    /// The database lets one transaction write at a time (SQLite): an inbox then queues its own
+    /// writers in the process rather than have them poll the database's lock.
+    const ONE_WRITER: bool = false;
 
     #[doc(hidden)]
     /// Begins a transaction on `conn` and claims `(consumer, key, fingerprint)` in it: `true`, with

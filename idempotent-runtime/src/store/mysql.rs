@@ -34,8 +34,8 @@ use sqlx::pool::PoolConnection;
 use sqlx::{MySql, MySqlPool};
 
 use super::{
-    Backend, Dialect, HandlerConnection, PurgeLock, Sealed, Statements, begin_then_claim, end_purge_session, run_all,
-    shared_queries,
+    Backend, Dialect, HandlerConnection, PurgeLock, Sealed, Statements, begin_then_claim,
+    end_purge_session, run_all, shared_queries,
 };
 use crate::table::TableName;
 

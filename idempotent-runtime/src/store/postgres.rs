@@ -231,9 +231,8 @@ pub(crate) struct PreparedClaim {
 
 impl PreparedClaim {
     fn new(statements: &Statements) -> Self {
-        let insert = statements.table_sql(
-            "INSERT INTO {t} (consumer, message_key, fingerprint) VALUES ($1, $2, $3)",
-        );
+        let insert = statements
+            .table_sql("INSERT INTO {t} (consumer, message_key, fingerprint) VALUES ($1, $2, $3)");
         let name = format!("idempotent_claim_{}", &hex(&Sha256::digest(&insert))[..16]);
         let prepare = format!("PREPARE {name} (text, bytea, bytea) AS {insert}");
         Self { name, prepare }

@@ -5,7 +5,11 @@
 //! therefore waits in `BEGIN IMMEDIATE` (for up to the connection's busy timeout, 5 s by default
 //! in sqlx) until the first transaction ends, and then sees its row or its absence. Writers are
 //! serialized, as SQLite always serializes them; WAL mode (see [`connect_options`]) lets readers
-//! carry on meanwhile.
+//! carry on meanwhile. An inbox (with its clones) queues its own transactions for the write lock
+//! in the process, first come first served, instead of leaving them to poll the lock in SQLite's
+//! busy handler, whose sleeps grow to 100 ms; a transaction that waits more than 5 seconds there
+//! goes on to the database's lock (so that a handler that calls another on the same inbox fails
+//! with a retryable busy error, as it would without the queue, rather than wait for ever).
 //!
 //! ```sql
 //! CREATE TABLE "idempotent_inbox" (
@@ -22,12 +26,13 @@
 
 use std::str::FromStr;
 
-use sqlx::sqlite::{SqliteConnectOptions, SqliteConnection, SqliteJournalMode};
 use sqlx::pool::PoolConnection;
+use sqlx::sqlite::{SqliteConnectOptions, SqliteConnection, SqliteJournalMode};
 use sqlx::{Sqlite, SqlitePool};
 
 use super::{
-    Backend, Dialect, HandlerConnection, PurgeLock, Sealed, Statements, begin_then_claim, run_all, shared_queries,
+    Backend, Dialect, HandlerConnection, PurgeLock, Sealed, Statements, begin_then_claim, run_all,
+    shared_queries,
 };
 use crate::table::TableName;
 
@@ -84,6 +89,8 @@ impl crate::Inbox<Sqlite> {
 }
 
 impl Backend for Sqlite {
+    const ONE_WRITER: bool = true;
+
     const DIALECT: Dialect = Dialect {
         begin: "BEGIN IMMEDIATE",
         quote: '"',
