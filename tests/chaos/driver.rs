@@ -87,6 +87,9 @@ pub struct Figures {
     pub duplicates_reported: usize,
     pub nacks_retryable: usize,
     pub nacks_failed: usize,
+    /// Failures that are not retryable for messages whose handler always succeeds: an error the
+    /// inbox misclassified.
+    pub unexpected_failures: usize,
     pub dead_lettered: usize,
     pub kills: BTreeMap<CrashPoint, usize>,
     pub consumer_restarts: usize,
@@ -326,6 +329,9 @@ pub async fn run(config: &Config) -> Result<Outcome, String> {
                         delayed.push((Instant::now() + Duration::from_millis(100), p));
                     } else {
                         figures.nacks_failed += 1;
+                        if messages[p.msg].behaviour == Behaviour::Succeed {
+                            figures.unexpected_failures += 1;
+                        }
                         let failed = failures.entry((p.msg, p.target)).or_default();
                         *failed += 1;
                         if *failed >= MAX_HANDLER_FAILURES {

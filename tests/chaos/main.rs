@@ -174,8 +174,12 @@ async fn run(backend: &str, mut config: Config) -> bool {
         verdict.inbox_mismatches.len(),
         sample(&verdict.inbox_mismatches)
     );
+    println!(
+        "  misclassified       {} (errors not retryable for messages that always succeed)",
+        f.unexpected_failures
+    );
     println!("  elapsed             {:.1?}", f.elapsed);
-    verdict.violations() == 0 && f.unexpected_exits == 0
+    verdict.violations() == 0 && f.unexpected_exits == 0 && f.unexpected_failures == 0
 }
 
 fn sample(items: &[String]) -> String {

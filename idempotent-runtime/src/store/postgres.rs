@@ -261,11 +261,11 @@ async fn begin_with(conn: &mut PoolConnection<Postgres>, begin: &str) -> Result<
         return Ok(true);
     };
     // The claim failed in the transaction its message began, which is now aborted (or the `BEGIN`
-    // failed and there is none): end it before the connection is used again.
+    // failed and there is none): end it before the connection is used again, or close it.
     if conn.execute("ROLLBACK").await.is_err() {
         conn.close_on_drop();
-        return Err(error);
     }
+    // A unique violation says another transaction committed the key, whatever became of ours.
     match error.as_database_error() {
         Some(database) if database.is_unique_violation() => Ok(false),
         _ => Err(error),
