@@ -85,7 +85,8 @@ impl Ledger {
                 sqlx::query(LEDGER).execute(&pool).await?;
                 let inbox = idempotent::Inbox::new(pool);
                 inbox.migrate().await?;
-                return Ok(Ledger::Postgres(inbox));
+                // One delivery at a time: keep the connection from one to the next.
+                return Ok(Ledger::Postgres(inbox.for_worker()));
             }
             #[cfg(not(feature = "postgres"))]
             return Err("a PostgreSQL DATABASE_URL needs `--features postgres`".into());
@@ -95,7 +96,7 @@ impl Ledger {
         sqlx::query(LEDGER).execute(&pool).await?;
         let inbox = idempotent::Inbox::new(pool);
         inbox.migrate().await?;
-        Ok(Ledger::Sqlite(inbox))
+        Ok(Ledger::Sqlite(inbox.for_worker()))
     }
 
     async fn handle(&self, msg: &Payment) -> Result<Handled<()>, Error<sqlx::Error>> {
