@@ -55,10 +55,11 @@
 //! 1. computes the key from the message's fields (an empty string key is an
 //!    [`InboxError::Key`] error, before any database work);
 //! 2. begins a transaction and claims `(consumer, key)` in the inbox table, as its first
-//!    statement, with the database's own conflict handling: PostgreSQL
-//!    `INSERT … ON CONFLICT DO NOTHING`, SQLite `INSERT OR IGNORE` after `BEGIN IMMEDIATE`, MySQL
-//!    `INSERT IGNORE`. A
-//!    concurrent call with the same key waits there until the first one commits or rolls back;
+//!    statement, an insert on the primary key: on PostgreSQL a prepared `INSERT` sent in one
+//!    message with the `BEGIN` (no round trip of its own; the `postgres` module says what that trades,
+//!    and `Inbox::with_separate_claim` claims with `INSERT … ON CONFLICT DO NOTHING` instead),
+//!    SQLite `INSERT OR IGNORE` after `BEGIN IMMEDIATE`, MySQL `INSERT IGNORE`. A concurrent call
+//!    with the same key waits there until the first one commits or rolls back;
 //! 3. if the key was already claimed, rolls back and returns [`Handled::Duplicate`]; the body does
 //!    not run;
 //! 4. otherwise runs the body on the same transaction, and commits the body's work together with
@@ -89,6 +90,14 @@
 //! - `store_response` and `fingerprint` attribute arguments; [`Inbox::metrics`] and a `tracing`
 //!   span per message.
 //! - Batches: [`Inbox::handle_batch`] claims many keys in one statement and one transaction.
+//!
+//! # Speed
+//! - A worker that handles messages one after another should call its handlers with
+//!   [`Inbox::for_worker`]: the worker's inbox keeps its connection between messages and saves the
+//!   two round trips sqlx's pool spends checking a connection as it is handed back and taken again
+//!   (about a quarter more messages per second on PostgreSQL in the benchmark).
+//! - On SQLite an inbox queues its own writers in the process, so make one inbox and clone it
+//!   rather than making one per task.
 //!
 //! # Features
 //! - `sqlite` (default): the inbox on SQLite, compiled in.
