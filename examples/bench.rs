@@ -702,31 +702,57 @@ async fn extras(url: &str, count: usize) -> Result<(), Box<dyn std::error::Error
         large / single
     );
 
-    // A purge of expired rows while (b) runs.
+    // A purge of expired rows while (b) runs, on its own pool of 2 connections (one holds the
+    // purger's lock): back to back with `purge_expired`, and paced by the background purger.
     let expired: i64 = arg("--purge").map_or(Ok(200_000), |v| v.parse())?;
-    reset(&pool).await;
-    sqlx::query(
-        "INSERT INTO idempotent_inbox (consumer, message_key, processed_at)
-         SELECT 'old', int8send(g), now() - interval '30 days' FROM generate_series(1, $1) g",
-    )
-    .bind(expired)
-    .execute(&pool)
-    .await?;
+    let purging = Inbox::new(
+        sqlx::postgres::PgPoolOptions::new()
+            .max_connections(2)
+            .connect(url)
+            .await?,
+    );
+    let fill = || {
+        let pool = pool.clone();
+        async move {
+            reset(&pool).await;
+            sqlx::query(
+                "INSERT INTO idempotent_inbox (consumer, message_key, processed_at)
+                 SELECT 'old', int8send(g), now() - interval '30 days'
+                 FROM generate_series(1, $1) g",
+            )
+            .bind(expired)
+            .execute(&pool)
+            .await
+            .unwrap();
+        }
+    };
+    fill().await;
     let purge_started = Instant::now();
     let (purged, (during, latencies)) = tokio::join!(
         async {
-            let report = inbox.purge_expired(1000).await.unwrap();
+            let report = purging.purge_expired(1000).await.unwrap();
             (report, purge_started.elapsed())
         },
         run(inbox.clone(), 14)
     );
     println!(
-        "  (b) while {} expired rows are purged {during:>8.0} msg/s   ({:.2} of no purge), worst claim {:.1} ms; the purge took {:.1} s in {} batches",
+        "  (b) while purge_expired(1000) deletes {} rows {during:>8.0} msg/s   ({:.2} of no purge), worst claim {:.1} ms; the purge took {:.1} s in {} batches",
         purged.0.deleted,
         during / single,
         latencies.last().map_or(0.0, |d| d.as_secs_f64() * 1e3),
         purged.1.as_secs_f64(),
         purged.0.batches
+    );
+    fill().await;
+    let before = purging.metrics().rows_purged;
+    let purger = purging.spawn_purger(idempotent::PurgerOptions::every(Duration::from_secs(3600)));
+    let (paced, latencies) = run(inbox.clone(), 15).await;
+    purger.stop();
+    println!(
+        "  (b) while the background purger runs {paced:>8.0} msg/s   ({:.2} of no purge), worst claim {:.1} ms; it deleted {} rows meanwhile (batches of 1000, 10 ms apart)",
+        paced / single,
+        latencies.last().map_or(0.0, |d| d.as_secs_f64() * 1e3),
+        purging.metrics().rows_purged - before
     );
     Ok(())
 }
