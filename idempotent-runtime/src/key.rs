@@ -260,7 +260,7 @@ impl fmt::Display for IdempotencyKey {
 impl fmt::Display for MessageKey {
     /// Lowercase hex of the stored bytes, as `encode(key, 'hex')` shows it in PostgreSQL.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        self.stored.iter().try_for_each(|b| write!(f, "{b:02x}"))
+        f.write_str(&hex(&self.stored))
     }
 }
 

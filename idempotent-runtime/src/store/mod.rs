@@ -56,14 +56,17 @@ pub trait Backend: sqlx::Database + Sealed {
     /// the transaction open at depth one, when this call inserted the key; `false`, with no
     /// transaction left open, when the key was there. A concurrent uncommitted claim of the same key
     /// makes this wait for that transaction to end. On an error no transaction is left open, or the
-    /// connection is marked to close.
+    /// connection is marked to close. Unless a backend does better: the backend's `BEGIN`, then
+    /// [`claim`](Backend::claim).
     fn begin_claim<'a>(
         conn: &'a mut PoolConnection<Self>,
         statements: &'a Statements,
         consumer: &'a str,
         key: &'a [u8],
         fingerprint: Option<&'a [u8]>,
-    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send + 'a;
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send + 'a {
+        begin_then_claim(conn, statements, consumer, key, fingerprint)
+    }
 
     #[doc(hidden)]
     /// Creates the inbox and calls tables and their indexes if they are missing; safe to run

@@ -30,12 +30,11 @@
 //! most 200, so `INSERT IGNORE` never truncates one.
 
 use sqlx::mysql::MySqlConnection;
-use sqlx::pool::PoolConnection;
 use sqlx::{MySql, MySqlPool};
 
 use super::{
-    Backend, Dialect, HandlerConnection, PurgeLock, Sealed, Statements, begin_then_claim,
-    end_purge_session, run_all, shared_queries,
+    Backend, Dialect, HandlerConnection, PurgeLock, Sealed, Statements, end_purge_session, run_all,
+    shared_queries,
 };
 use crate::table::TableName;
 
@@ -63,16 +62,6 @@ impl Backend for MySql {
         older_than: "processed_at < UTC_TIMESTAMP(6) - INTERVAL ({} * 1000) MICROSECOND",
         delete_limit: true,
     };
-
-    async fn begin_claim(
-        conn: &mut PoolConnection<MySql>,
-        statements: &Statements,
-        consumer: &str,
-        key: &[u8],
-        fingerprint: Option<&[u8]>,
-    ) -> Result<bool, sqlx::Error> {
-        begin_then_claim(conn, statements, consumer, key, fingerprint).await
-    }
 
     async fn migrate(pool: &MySqlPool, table: &TableName) -> Result<(), sqlx::Error> {
         let t = table.quoted('`');

@@ -26,13 +26,11 @@
 
 use std::str::FromStr;
 
-use sqlx::pool::PoolConnection;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteConnection, SqliteJournalMode};
 use sqlx::{Sqlite, SqlitePool};
 
 use super::{
-    Backend, Dialect, HandlerConnection, PurgeLock, Sealed, Statements, begin_then_claim, run_all,
-    shared_queries,
+    Backend, Dialect, HandlerConnection, PurgeLock, Sealed, Statements, run_all, shared_queries,
 };
 use crate::table::TableName;
 
@@ -102,16 +100,6 @@ impl Backend for Sqlite {
         older_than: "processed_at < CAST(unixepoch('subsec') * 1000 AS INTEGER) - {}",
         delete_limit: false,
     };
-
-    async fn begin_claim(
-        conn: &mut PoolConnection<Sqlite>,
-        statements: &Statements,
-        consumer: &str,
-        key: &[u8],
-        fingerprint: Option<&[u8]>,
-    ) -> Result<bool, sqlx::Error> {
-        begin_then_claim(conn, statements, consumer, key, fingerprint).await
-    }
 
     async fn migrate(pool: &SqlitePool, table: &TableName) -> Result<(), sqlx::Error> {
         let t = table.quoted('"');
