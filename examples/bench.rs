@@ -534,13 +534,7 @@ async fn extras(url: &str, count: usize) -> Result<(), Box<dyn std::error::Error
     let inbox = Inbox::new(pool.clone());
     let run = |inbox: Inbox<sqlx::Postgres>, seed: u64| {
         let batch = Arc::new(deliveries(count, 0, seed));
-        async move {
-            drive(batch, WORKERS, move |_, msg| {
-                let inbox = inbox.clone();
-                async move { drop(on_postgres::inbox(&inbox, &msg).await.unwrap()) }
-            })
-            .await
-        }
+        async move { run_variant!(on_postgres, inbox, Variant::Inbox, false, WORKERS, batch) }
     };
     println!("\nPostgreSQL, {WORKERS} workers, no duplicates:");
     reset(&pool).await;
@@ -766,11 +760,8 @@ async fn instance(url: &str) -> Result<(), Box<dyn std::error::Error>> {
         .connect(url)
         .await?;
     let inbox = Inbox::new(pool);
-    drive(Arc::new(deliveries(count, 0, seed)), 2, move |_, msg| {
-        let inbox = inbox.clone();
-        async move { drop(on_postgres::inbox(&inbox, &msg).await.unwrap()) }
-    })
-    .await;
+    let batch = Arc::new(deliveries(count, 0, seed));
+    run_variant!(on_postgres, inbox, Variant::Inbox, false, 2, batch);
     Ok(())
 }
 
