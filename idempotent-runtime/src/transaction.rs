@@ -68,7 +68,7 @@ impl<DB: Backend> InboxTransaction<DB> {
         fingerprint: Option<&[u8]>,
     ) -> Result<Option<Self>, BeginError> {
         let turn = take_turn(with.writers).await;
-        let mut conn = InFlight::acquire(with).await?;
+        let mut conn = InFlight::acquire(with).await.map_err(BeginError::Acquire)?;
         let claimed = DB::begin_claim(conn.get(), statements, consumer, key, fingerprint).await;
         let tx = Self {
             conn: Some(conn.landed()),
@@ -85,9 +85,7 @@ impl<DB: Backend> InboxTransaction<DB> {
     /// Takes a connection and begins a transaction that will write.
     pub(crate) async fn begin(with: Resources<'_, DB>) -> Result<Self, sqlx::Error> {
         let turn = take_turn(with.writers).await;
-        let mut conn = InFlight::acquire(with)
-            .await
-            .map_err(BeginError::into_inner)?;
+        let mut conn = InFlight::acquire(with).await?;
         let begun = begin::<DB>(conn.get()).await;
         let conn = conn.landed();
         begun.map(|()| Self {
@@ -172,21 +170,13 @@ pub(crate) enum BeginError {
     Claim(sqlx::Error),
 }
 
-impl BeginError {
-    fn into_inner(self) -> sqlx::Error {
-        match self {
-            BeginError::Acquire(error) | BeginError::Claim(error) => error,
-        }
-    }
-}
-
 /// A connection taking a step whose outcome on the server is unknown until it completes: closed if
 /// dropped before [`landed`](Self::landed).
 struct InFlight<DB: Database>(Option<PoolConnection<DB>>);
 
 impl<DB: Database> InFlight<DB> {
     /// The connection its worker keeps, if any; else one from the pool.
-    async fn acquire(with: Resources<'_, DB>) -> Result<Self, BeginError> {
+    async fn acquire(with: Resources<'_, DB>) -> Result<Self, sqlx::Error> {
         let kept = with.kept.and_then(|home| {
             home.lock()
                 .unwrap_or_else(|poisoned| poisoned.into_inner())
@@ -194,7 +184,7 @@ impl<DB: Database> InFlight<DB> {
         });
         let conn = match kept {
             Some(conn) => conn,
-            None => with.pool.acquire().await.map_err(BeginError::Acquire)?,
+            None => with.pool.acquire().await?,
         };
         Ok(Self(Some(conn)))
     }

@@ -117,14 +117,14 @@ impl Backend for Postgres {
             .get_or_init(|| PreparedClaim::new(statements));
         let begin = claim.begin(consumer, key, fingerprint);
         match begin_with(conn, &begin).await {
-            Err(error) if sqlstate(&error) == Some("26000") => {}
+            Err(error) if is_missing_statement(&error) => {}
             outcome => return outcome,
         }
         // This session has not prepared the claim: a new connection, or a `DEALLOCATE`.
         conn.execute(AssertSqlSafe(claim.prepare.clone())).await?;
         match begin_with(conn, &begin).await {
             // Still missing: a pooler in transaction mode moved us to another session.
-            Err(error) if sqlstate(&error) == Some("26000") => {
+            Err(error) if is_missing_statement(&error) => {
                 begin_then_claim(conn, statements, consumer, key, fingerprint).await
             }
             outcome => outcome,
@@ -272,14 +272,12 @@ async fn begin_with(conn: &mut PoolConnection<Postgres>, begin: &str) -> Result<
     }
 }
 
-/// The SQLSTATE of a database error.
-fn sqlstate(error: &sqlx::Error) -> Option<&str> {
-    match error {
-        sqlx::Error::Database(database) => database
-            .try_downcast_ref::<sqlx::postgres::PgDatabaseError>()
-            .map(|error| error.code()),
-        _ => None,
-    }
+/// Whether the server found no prepared statement of the name executed (SQLSTATE 26000).
+fn is_missing_statement(error: &sqlx::Error) -> bool {
+    error
+        .as_database_error()
+        .and_then(|error| error.code())
+        .is_some_and(|code| code == "26000")
 }
 
 /// SQLSTATEs worth a retry: serialization failure, deadlock, lock not available, the server
