@@ -124,7 +124,13 @@ fn rewrite(plan: &Plan, mut function: ItemFn) -> TokenStream {
         Span::call_site()
     };
     let finish = syn::Ident::new(&finish.to_string(), finish_span);
-    let finish_call = quote_spanned! {finish_span=> #claimed.#finish(#result).await };
+    let finish_call = quote_spanned! {finish_span=>
+        #private::#finish(#claimed, #result, |__e: &#err| {
+            #[allow(unused_imports)]
+            use #private::{ProbeAsRef as _, ProbeError as _, ProbeNone as _};
+            (&&&#private::Probe(__e)).as_error()
+        }).await
+    };
     let body = &function.block;
     let block = quote! {{
         let #builder = {

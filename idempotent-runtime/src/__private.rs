@@ -123,3 +123,89 @@ impl<T, E> HandlerResult for Result<T, E> {
     type Ok = T;
     type Err = E;
 }
+
+/// Finds the `std::error::Error` in a handler's error, so that the inbox can look for a database
+/// failure under the body (a lost connection, a deadlock) in its source chain. Autoref
+/// specialization: `(&&&Probe(&error)).as_error()` picks [`ProbeError`] when the error is a
+/// `std::error::Error`, else [`ProbeAsRef`] when it derefs to one (`anyhow::Error`,
+/// `Box<dyn Error + Send + Sync>`), else [`ProbeNone`].
+pub struct Probe<'a, E>(pub &'a E);
+
+/// See [`Probe`].
+pub trait ProbeError<'a> {
+    /// The error, as a `std::error::Error`.
+    fn as_error(&self) -> Option<&'a (dyn std::error::Error + 'static)>;
+}
+
+/// See [`Probe`].
+pub trait ProbeAsRef<'a> {
+    /// The error, as a `std::error::Error`.
+    fn as_error(&self) -> Option<&'a (dyn std::error::Error + 'static)>;
+}
+
+/// See [`Probe`].
+pub trait ProbeNone<'a> {
+    /// Nothing: the error is not a `std::error::Error`.
+    fn as_error(&self) -> Option<&'a (dyn std::error::Error + 'static)>;
+}
+
+impl<'a, E: std::error::Error + 'static> ProbeError<'a> for &&Probe<'a, E> {
+    fn as_error(&self) -> Option<&'a (dyn std::error::Error + 'static)> {
+        Some(self.0)
+    }
+}
+
+impl<'a, E: AsRef<dyn std::error::Error + Send + Sync + 'static>> ProbeAsRef<'a> for &Probe<'a, E> {
+    fn as_error(&self) -> Option<&'a (dyn std::error::Error + 'static)> {
+        Some(self.0.as_ref())
+    }
+}
+
+impl<'a, E> ProbeNone<'a> for Probe<'a, E> {
+    fn as_error(&self) -> Option<&'a (dyn std::error::Error + 'static)> {
+        None
+    }
+}
+
+/// Ends the handler's transaction: commits on `Ok`, rolls back on `Err`. `as_error` is the
+/// [`Probe`] of the handler's error type.
+pub async fn finish<DB: Backend, T, E>(
+    claimed: Claimed<DB>,
+    result: Result<T, E>,
+    as_error: impl for<'a> FnOnce(&'a E) -> Option<&'a (dyn std::error::Error + 'static)>,
+) -> Result<Handled<T>, Error<E>> {
+    let _ = &as_error;
+    claimed.finish(result).await
+}
+
+/// [`finish`], storing the `Ok` value (as JSON) with the inbox row.
+pub async fn finish_storing<DB: Backend, T: Serialize, E>(
+    claimed: Claimed<DB>,
+    result: Result<T, E>,
+    as_error: impl for<'a> FnOnce(&'a E) -> Option<&'a (dyn std::error::Error + 'static)>,
+) -> Result<Handled<T>, Error<E>> {
+    let _ = &as_error;
+    claimed.finish_storing(result).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn probe_error(e: &std::io::Error) -> bool {
+        (&&&Probe(e)).as_error().is_some()
+    }
+    fn probe_boxed(e: &Box<dyn std::error::Error + Send + Sync>) -> bool {
+        (&&&Probe(e)).as_error().is_some()
+    }
+    fn probe_string(e: &String) -> bool {
+        (&&&Probe(e)).as_error().is_some()
+    }
+
+    #[test]
+    fn the_probe_finds_std_errors_and_what_derefs_to_them() {
+        assert!(probe_error(&std::io::Error::other("x")));
+        assert!(probe_boxed(&"boxed".into()));
+        assert!(!probe_string(&"not an error".to_owned()));
+    }
+}
