@@ -1,5 +1,5 @@
 //! The conformance suite on PostgreSQL (`IDEMPOTENT_PG_URL`), a fresh schema per test: with the
-//! claim sent together with its `BEGIN` (the default), and in a statement of its own.
+//! claim in a statement of its own (the default), and sent together with its `BEGIN`.
 #![cfg(feature = "postgres")]
 
 mod conformance;
@@ -10,20 +10,20 @@ use support::postgres::PgHarness;
 
 conformance_tests!(PgHarness::new().await);
 
-mod separate_claim {
+mod pipelined_claim {
     use super::*;
 
-    conformance_tests!(PgHarness::new().await.with_separate_claim());
+    conformance_tests!(PgHarness::new().await.with_pipelined_claim());
 }
 
-/// The claim is a statement each session prepares once; a session that lost it (`DEALLOCATE`)
-/// prepares it again on its next claim, which then goes ahead as usual.
+/// The pipelined claim is a statement each session prepares once; a session that lost it
+/// (`DEALLOCATE`) prepares it again on its next claim, which then goes ahead as usual.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_session_that_lost_its_prepared_claim_prepares_it_again() {
     use idempotent::message_key;
     use support::{Consumer, Delivery, Harness};
 
-    let h = PgHarness::new().await;
+    let h = PgHarness::new().await.with_pipelined_claim();
     let worker = h.inbox.for_worker();
     let prepared = "SELECT name FROM pg_prepared_statements WHERE name LIKE 'idempotent_claim_%'";
     let first = Delivery::new("before");

@@ -37,7 +37,7 @@ pub fn handler_span(consumer: &'static str, handler: &'static str) -> tracing::S
 
 /// The SHA-256 of a value's JSON: a payload fingerprint.
 pub fn fingerprint<T: Serialize + ?Sized>(value: &T) -> Result<[u8; 32], InboxError> {
-    let json = serde_json::to_vec(value).map_err(|error| InboxError::Response {
+    let json = serde_json::to_vec(value).map_err(|error| InboxError::Fingerprint {
         source: error.into(),
     })?;
     Ok(Sha256::digest(json).into())
@@ -174,8 +174,7 @@ pub async fn finish<DB: Backend, T, E>(
     result: Result<T, E>,
     as_error: impl for<'a> FnOnce(&'a E) -> Option<&'a (dyn std::error::Error + 'static)>,
 ) -> Result<Handled<T>, Error<E>> {
-    let _ = &as_error;
-    claimed.finish(result).await
+    claimed.finish_after(result, as_error).await
 }
 
 /// [`finish`], storing the `Ok` value (as JSON) with the inbox row.
@@ -184,17 +183,18 @@ pub async fn finish_storing<DB: Backend, T: Serialize, E>(
     result: Result<T, E>,
     as_error: impl for<'a> FnOnce(&'a E) -> Option<&'a (dyn std::error::Error + 'static)>,
 ) -> Result<Handled<T>, Error<E>> {
-    let _ = &as_error;
-    claimed.finish_storing(result).await
+    claimed.finish_storing_after(result, as_error).await
 }
 
 #[cfg(test)]
+#[allow(clippy::needless_borrow)] // the borrows are how the probe picks
 mod tests {
     use super::*;
 
     fn probe_error(e: &std::io::Error) -> bool {
         (&&&Probe(e)).as_error().is_some()
     }
+    #[allow(clippy::borrowed_box)]
     fn probe_boxed(e: &Box<dyn std::error::Error + Send + Sync>) -> bool {
         (&&&Probe(e)).as_error().is_some()
     }

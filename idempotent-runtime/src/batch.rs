@@ -6,11 +6,11 @@ use std::fmt;
 use std::sync::Arc;
 
 use crate::error::{Error, InboxError, Stage};
-use crate::inbox::{Handled, Inbox, check_consumer};
+use crate::inbox::{Handled, Inbox, check_consumer, commit};
 use crate::key::{MessageKey, StableKey, message_key};
 use crate::metrics::Metrics;
-use crate::store::Backend;
-use crate::transaction::InboxTransaction;
+use crate::store::{Backend, database_error};
+use crate::transaction::{BeginError, InboxTransaction};
 
 /// A transaction holding the claims of a batch of keys; see [`Inbox::claim_batch`].
 pub struct ClaimedBatch<DB: Backend> {
@@ -31,13 +31,11 @@ impl<DB: Backend> ClaimedBatch<DB> {
         self.tx.connection()
     }
 
-    /// Commits the batch's work and claims together.
+    /// Commits the batch's work and claims together, if the transaction is still the one the
+    /// batch began and nothing in it failed (see [`Claimed::commit`](crate::Claimed::commit)).
     pub async fn commit(self) -> Result<(), InboxError> {
         let claimed = self.new.iter().filter(|new| **new).count() as u64;
-        self.tx
-            .commit()
-            .await
-            .map_err(InboxError::database(Stage::Commit))?;
+        commit(self.tx, None).await?;
         self.metrics.processed(claimed);
         Ok(())
     }
@@ -45,7 +43,7 @@ impl<DB: Backend> ClaimedBatch<DB> {
     /// Rolls back the batch's work and claims.
     pub async fn rollback(self) {
         self.metrics.rolled_back(1);
-        self.tx.rollback().await;
+        let _ = self.tx.rollback().await;
     }
 }
 
@@ -70,13 +68,18 @@ impl<DB: Backend> Inbox<DB> {
         let mut sorted: Vec<&[u8]> = keys.iter().map(MessageKey::as_bytes).collect();
         sorted.sort_unstable();
         sorted.dedup();
-        let mut tx = InboxTransaction::begin(self.resources())
-            .await
-            .map_err(InboxError::database(Stage::Begin))?;
-        let inserted: HashSet<Vec<u8>> =
-            DB::claim_batch(tx.connection(), &self.statements, consumer, &sorted)
+        let mut tx =
+            InboxTransaction::begin(self.resources())
                 .await
-                .map_err(InboxError::database(Stage::Claim))?
+                .map_err(|error| match error {
+                    BeginError::Acquire(error) | BeginError::Begin(error) => {
+                        database_error(Stage::Begin)(error)
+                    }
+                })?;
+        let inserted: HashSet<Vec<u8>> =
+            DB::claim_batch(tx.connection(), &self.config.statements, consumer, &sorted)
+                .await
+                .map_err(database_error(Stage::Claim))?
                 .into_iter()
                 .collect();
         // A key repeated in the batch is new only the first time.

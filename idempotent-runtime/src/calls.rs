@@ -21,9 +21,29 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use crate::error::{Error, InboxError, Stage};
-use crate::inbox::{Inbox, check_consumer, decode_response};
+use crate::inbox::{Inbox, check_consumer, check_name, decode_response};
 use crate::key::{IdempotencyKey, MessageKey};
-use crate::store::{Backend, CallId};
+use crate::retention::millis;
+use crate::session::Session;
+use crate::store::{Backend, CallId, CallRow, database_error};
+
+/// The longest lease a call may ask for: a lease is how long other attempts wait for this one
+/// before they take the call over, and one longer than this is a mistake (a `Duration::MAX` would
+/// not fit the database's clock arithmetic).
+pub const MAX_CALL_LEASE: Duration = Duration::from_secs(365 * 24 * 60 * 60);
+
+/// The call's record, read on `session`.
+async fn read_call<DB: Backend>(
+    session: &mut Session<DB>,
+    statements: &crate::store::Statements,
+    id: CallId<'_>,
+) -> Result<Option<CallRow>, InboxError> {
+    let row = DB::call_read(session.start_step(), statements, id)
+        .await
+        .map_err(database_error(Stage::Call))?;
+    session.end_step();
+    Ok(row)
+}
 
 /// This attempt's hold on a call: run the call, then [`complete_call`](Inbox::complete_call).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -64,8 +84,20 @@ pub enum CallStart<R> {
     Completed(R),
 }
 
-fn millis(duration: Duration) -> i64 {
-    i64::try_from(duration.as_millis()).unwrap_or(i64::MAX)
+/// Checks a call's name and lease before any database work.
+fn check_call(name: &str, lease: Duration) -> Result<(), InboxError> {
+    check_name(name).map_err(|reason| InboxError::CallName {
+        name: name.to_owned(),
+        reason,
+    })?;
+    let reason = if lease.is_zero() {
+        "it is zero"
+    } else if lease > MAX_CALL_LEASE {
+        "it is longer than a year (MAX_CALL_LEASE)"
+    } else {
+        return Ok(());
+    };
+    Err(InboxError::Lease { lease, reason })
 }
 
 impl<DB: Backend> Inbox<DB> {
@@ -79,11 +111,8 @@ impl<DB: Backend> Inbox<DB> {
         lease: Duration,
     ) -> Result<CallStart<R>, InboxError> {
         check_consumer(consumer)?;
-        check_consumer(name).map_err(|_| InboxError::ConsumerName {
-            name: name.to_owned(),
-            reason: "a call name must be 1 to 200 bytes long",
-        })?;
-        let error = InboxError::database(Stage::Call);
+        check_call(name, lease)?;
+        let statements = &self.config.statements;
         let id = CallId {
             consumer,
             key: key.as_bytes(),
@@ -98,17 +127,17 @@ impl<DB: Backend> Inbox<DB> {
                 fence,
             })
         };
-        if DB::call_insert(&self.pool, &self.statements, id, lease_ms)
+        let mut session = self.call_session().await?;
+        let inserted = DB::call_insert(session.start_step(), statements, id, lease_ms)
             .await
-            .map_err(error)?
-        {
+            .map_err(database_error(Stage::Call))?;
+        session.end_step();
+        if inserted {
             tracing::debug!(consumer, call = name, key = %key.digest(), "call pending");
             return Ok(run(1));
         }
         let Some((fence, lease_until, completed, result, now)) =
-            DB::call_read(&self.pool, &self.statements, id)
-                .await
-                .map_err(InboxError::database(Stage::Call))?
+            read_call(&mut session, statements, id).await?
         else {
             // Deleted between the two statements: as good as in progress; try again.
             return Err(InboxError::CallInProgress {
@@ -130,10 +159,11 @@ impl<DB: Backend> Inbox<DB> {
             );
             return Err(InboxError::CallInProgress { retry_after });
         }
-        if DB::call_take_over(&self.pool, &self.statements, id, fence, lease_ms)
+        let taken = DB::call_take_over(session.start_step(), statements, id, fence, lease_ms)
             .await
-            .map_err(InboxError::database(Stage::Call))?
-        {
+            .map_err(database_error(Stage::Call))?;
+        session.end_step();
+        if taken {
             tracing::info!(
                 consumer,
                 call = name,
@@ -148,7 +178,9 @@ impl<DB: Backend> Inbox<DB> {
     }
 
     /// Marks the call completed with `result`, if `lease` still holds it; [`InboxError::Fenced`]
-    /// when a later attempt took it over (its result stands).
+    /// when a later attempt took it over (its result stands). Completing again with the same lease
+    /// and the same result is a success (a retry after a lost answer); with another result it is
+    /// [`InboxError::CallCompleted`] (the first result stands).
     pub async fn complete_call<R: Serialize>(
         &self,
         lease: CallLease,
@@ -157,32 +189,50 @@ impl<DB: Backend> Inbox<DB> {
         let bytes = serde_json::to_vec(result).map_err(|error| InboxError::Response {
             source: error.into(),
         })?;
+        let statements = &self.config.statements;
+        let mut session = self.call_session().await?;
         let completed = DB::call_complete(
-            &self.pool,
-            &self.statements,
+            session.start_step(),
+            statements,
             lease.id(),
             lease.fence,
             &bytes,
         )
         .await
-        .map_err(InboxError::database(Stage::Call))?;
+        .map_err(database_error(Stage::Call))?;
+        session.end_step();
         if completed {
             tracing::debug!(
                 consumer = lease.consumer,
                 call = lease.name,
                 "call completed"
             );
-            Ok(())
-        } else {
-            self.metrics.call_fenced(1);
-            tracing::warn!(
-                consumer = lease.consumer,
-                call = lease.name,
-                fence = lease.fence,
-                "late attempt fenced off"
-            );
-            Err(InboxError::Fenced { fence: lease.fence })
+            return Ok(());
         }
+        if let Some((fence, _, true, stored, _)) =
+            read_call(&mut session, statements, lease.id()).await?
+            && fence == lease.fence
+        {
+            if stored.as_deref() == Some(&bytes[..]) {
+                return Ok(());
+            }
+            return Err(InboxError::CallCompleted { fence });
+        }
+        self.metrics.call_fenced(1);
+        tracing::warn!(
+            consumer = lease.consumer,
+            call = lease.name,
+            fence = lease.fence,
+            "late attempt fenced off"
+        );
+        Err(InboxError::Fenced { fence: lease.fence })
+    }
+
+    /// A connection for the steps of a call, each in a transaction of its own.
+    async fn call_session(&self) -> Result<Session<DB>, InboxError> {
+        Session::take(self.source())
+            .await
+            .map_err(database_error(Stage::Call))
     }
 
     /// Makes `call` at most once for this message, and returns its result: the stored one when it

@@ -12,6 +12,8 @@ pub enum Stage {
     Begin,
     /// Inserting the message key into the inbox.
     Claim,
+    /// Storing the body's response with the inbox row, in the handler's transaction.
+    StoreResponse,
     /// Committing the handler's transaction (the effect and the inbox row together). When this
     /// fails the commit may or may not have happened: a redelivery finds out which.
     Commit,
@@ -30,6 +32,7 @@ impl fmt::Display for Stage {
         f.write_str(match self {
             Stage::Begin => "beginning the handler's transaction",
             Stage::Claim => "claiming the message key",
+            Stage::StoreResponse => "storing the response",
             Stage::Commit => "committing the handler's transaction",
             Stage::Migrate => "creating the inbox table",
             Stage::Inspect => "reading the inbox",
@@ -54,11 +57,28 @@ pub enum InboxError {
         /// What is wrong with it.
         reason: &'static str,
     },
-    /// The consumer name is empty or too long.
+    /// The consumer name is empty, too long or holds a NUL byte.
     #[error("invalid consumer name {name:?}: {reason}")]
     ConsumerName {
         /// The name as it was given.
         name: String,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+    /// The name of a call to an outside service is empty, too long or holds a NUL byte.
+    #[error("invalid call name {name:?}: {reason}")]
+    CallName {
+        /// The name as it was given.
+        name: String,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+    /// The lease asked for a call to an outside service is zero or longer than
+    /// [`MAX_CALL_LEASE`](crate::calls::MAX_CALL_LEASE).
+    #[error("invalid call lease of {lease:?}: {reason}")]
+    Lease {
+        /// The lease as it was given.
+        lease: std::time::Duration,
         /// What is wrong with it.
         reason: &'static str,
     },
@@ -78,6 +98,39 @@ pub enum InboxError {
         #[source]
         source: Box<dyn std::error::Error + Send + Sync>,
     },
+    /// The message (or its fingerprinted fields) could not be serialized for its fingerprint.
+    #[error("could not serialize the message for its fingerprint")]
+    Fingerprint {
+        /// What serde said.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// A statement of the body failed and the body carried on, as if it had not: the database
+    /// (PostgreSQL) had aborted the transaction, and nothing was committed. Retryable: the message
+    /// is untouched and a redelivery runs the body again (if the failure was not transient, it
+    /// fails again, and the consumer's bounded attempts dead-letter it). Let a body's statement
+    /// that may fail run in a nested transaction (`tx.begin()`, a savepoint) to carry on after it.
+    #[error("a statement of the handler failed and the handler carried on; nothing was committed")]
+    TransactionAborted,
+    /// When the inbox came to commit, the handler's transaction was no longer the one it began:
+    /// the body ended it (its own `COMMIT` or `ROLLBACK`; on MySQL any statement that commits
+    /// implicitly, such as `BEGIN`, `CREATE TABLE` or `TRUNCATE`), or the database rolled it back
+    /// under the body (a deadlock the body ignored). Whatever was open then was rolled back.
+    /// Retryable only when nothing of the message can have been committed.
+    #[error(
+        "the handler's transaction ended before the inbox could commit it{}",
+        if *key_committed { "; the key was committed with part of the work" } else { "" }
+    )]
+    TransactionEnded {
+        /// The claim was committed with whatever the body had done before it ended the
+        /// transaction: a redelivery is a duplicate, though the effect may be incomplete.
+        key_committed: bool,
+        /// Writes the body made after the end could not commit on their own: MySQL and MariaDB
+        /// refuse them (the session is read-only around the inbox's transaction), SQLite's commit
+        /// hook refuses their commits. On PostgreSQL a write after the body's own `COMMIT` or
+        /// `ROLLBACK` commits on its own: this is `false` there.
+        later_writes_refused: bool,
+    },
     /// Another attempt holds a live lease on this call to an outside service; try again after
     /// `retry_after`. Retryable.
     #[error("the call is in progress elsewhere; retry in {retry_after:?}")]
@@ -92,6 +145,12 @@ pub enum InboxError {
         /// This attempt's fencing token.
         fence: i64,
     },
+    /// This attempt had completed the call already, with another result: the first result stands.
+    #[error("the call was completed before by this attempt (fence {fence}), with another result")]
+    CallCompleted {
+        /// This attempt's fencing token.
+        fence: i64,
+    },
     /// The database failed; see [`InboxError::is_retryable`].
     #[error("database error while {stage}")]
     Database {
@@ -100,43 +159,68 @@ pub enum InboxError {
         /// The driver's error.
         #[source]
         source: sqlx::Error,
+        /// What the error says about a retry, as the database's backend classified it.
+        fault: Fault,
     },
 }
 
 impl InboxError {
-    pub(crate) fn database(stage: Stage) -> impl FnOnce(sqlx::Error) -> Self {
-        move |source| InboxError::Database { stage, source }
-    }
-
     /// Whether delivering the same message again may succeed: a serialization failure, a deadlock,
-    /// a busy or locked database, a lost connection or an exhausted pool. A consumer loop should
-    /// negatively acknowledge (requeue) on these, and dead-letter on the rest.
+    /// a busy, locked or full database, a lost connection or an exhausted pool, a call in progress
+    /// elsewhere, a transaction that ended with nothing committed. A consumer should redeliver these
+    /// after a back-off, and dead-letter the rest.
     pub fn is_retryable(&self) -> bool {
         match self {
-            InboxError::Database { source, .. } => is_retryable(source),
-            InboxError::CallInProgress { .. } => true,
+            InboxError::Database { fault, .. } => *fault != Fault::None,
+            InboxError::CallInProgress { .. } | InboxError::TransactionAborted => true,
+            InboxError::TransactionEnded {
+                key_committed,
+                later_writes_refused,
+            } => !key_committed && *later_writes_refused,
             _ => false,
         }
     }
 }
 
+/// What a driver error says about retrying the work that failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Fault {
+    /// Nothing transient: the same work fails again.
+    None,
+    /// A retry may succeed: a deadlock, a serialization failure, a lock timeout, a busy or full
+    /// database, a cluster conflict, an exhausted pool.
+    Transient,
+    /// The connection is lost or cannot be used any more: a retry on another connection may
+    /// succeed.
+    Broken,
+}
+
 /// The error of a function rewritten by `#[idempotent]`: the handler's own error, kept intact, or
 /// an error of the inbox. Either way nothing was committed, except possibly when the inbox error
-/// happened at [`Stage::Commit`].
+/// happened at [`Stage::Commit`], or is [`InboxError::TransactionEnded`] with the key committed.
 #[derive(Debug)]
+#[non_exhaustive]
 pub enum Error<E> {
     /// The handler's body returned this error; its transaction was rolled back and the key stays
-    /// unclaimed, so a redelivery runs the body again.
+    /// unclaimed, so a redelivery runs the body again. Whether to retry is the handler's call.
     Handler(E),
+    /// The handler's body returned this error because the database failed under it: the
+    /// connection was lost, or the database rolled the transaction back (a deadlock, a
+    /// serialization failure, a lock timeout, a Galera conflict). Everything was rolled back;
+    /// retryable. The inbox finds such a failure in the error's sources (a `sqlx::Error` or a
+    /// driver's database error in them, whatever the handler's error type wraps them in), or
+    /// because the rollback after the error found the connection dead.
+    Transient(E),
     /// The inbox failed before or after the body ran.
     Inbox(InboxError),
 }
 
 impl<E> Error<E> {
-    /// The handler's own error, if that is what this is.
+    /// The handler's own error (of either kind), if that is what this is.
     pub fn handler_error(&self) -> Option<&E> {
         match self {
-            Error::Handler(e) => Some(e),
+            Error::Handler(e) | Error::Transient(e) => Some(e),
             Error::Inbox(_) => None,
         }
     }
@@ -144,16 +228,20 @@ impl<E> Error<E> {
     /// The inbox's error, if that is what this is.
     pub fn inbox_error(&self) -> Option<&InboxError> {
         match self {
-            Error::Handler(_) => None,
+            Error::Handler(_) | Error::Transient(_) => None,
             Error::Inbox(e) => Some(e),
         }
     }
 
-    /// Whether the inbox failed in a way a redelivery may not (see [`InboxError::is_retryable`]).
-    /// A handler error is the handler's to classify, so it returns `false` here; for one that wraps
-    /// a [`sqlx::Error`], [`is_retryable`] tells.
+    /// Whether a redelivery of the message may succeed: [`Error::Transient`], or an inbox error
+    /// that [is retryable](InboxError::is_retryable). [`Error::Handler`] is the handler's to
+    /// classify: `false` here.
     pub fn is_retryable(&self) -> bool {
-        self.inbox_error().is_some_and(InboxError::is_retryable)
+        match self {
+            Error::Handler(_) => false,
+            Error::Transient(_) => true,
+            Error::Inbox(e) => e.is_retryable(),
+        }
     }
 }
 
@@ -168,6 +256,9 @@ impl<E> fmt::Display for Error<E> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Error::Handler(_) => f.write_str("the handler failed"),
+            Error::Transient(_) => {
+                f.write_str("the handler failed as the database failed under it")
+            }
             Error::Inbox(e) => fmt::Display::fmt(e, f),
         }
     }
@@ -176,19 +267,8 @@ impl<E> fmt::Display for Error<E> {
 impl<E: std::error::Error + 'static> std::error::Error for Error<E> {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            Error::Handler(e) => Some(e),
+            Error::Handler(e) | Error::Transient(e) => Some(e),
             Error::Inbox(e) => e.source(),
         }
-    }
-}
-
-/// Whether a driver error is transient, so that the same work may succeed when tried again:
-/// serialization failures, deadlocks, lock timeouts, a busy or locked SQLite database, lost or
-/// refused connections, an exhausted pool.
-pub fn is_retryable(error: &sqlx::Error) -> bool {
-    match error {
-        sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::WorkerCrashed => true,
-        sqlx::Error::Database(db) => crate::store::is_retryable_database_error(db.as_ref()),
-        _ => false,
     }
 }

@@ -2,19 +2,21 @@
 
 use std::fmt;
 use std::sync::Arc;
+use std::time::Duration;
 
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use sqlx::Pool;
 use tokio::sync::Semaphore;
 
-use crate::error::{Error, InboxError, Stage};
-use crate::key::{IdempotencyKey, MessageKey, StableKey, message_key};
+use crate::error::{Error, Fault, InboxError, Stage};
+use crate::key::{AsMessageKey, IdempotencyKey, MessageKey};
 use crate::metrics::{Metrics, MetricsSnapshot};
-use crate::retention::Retention;
-use crate::store::{Backend, HandlerConnection, Statements};
+use crate::retention::{self, PurgeReport, Purger, PurgerOptions, Retention};
+use crate::session::{Session, Source, Spares, Worker};
+use crate::store::{Backend, Ending, HandlerConnection, Statements, database_error, fault_of};
 use crate::table::TableName;
-use crate::transaction::{BeginError, InboxTransaction, Kept, Resources};
+use crate::transaction::{BeginError, ClaimOutcome, InboxTransaction, Resources};
 
 /// The longest consumer name accepted, in bytes.
 pub const MAX_CONSUMER_LEN: usize = 200;
@@ -25,15 +27,36 @@ pub const MAX_CONSUMER_LEN: usize = 200;
 /// Cheap to clone (it holds a pool and shares its configuration and counters); make one per
 /// database and share it.
 pub struct Inbox<DB: Backend> {
-    pub(crate) pool: Pool<DB>,
-    pub(crate) table: TableName,
-    pub(crate) statements: Arc<Statements>,
-    pub(crate) retention: Arc<Retention>,
+    pool: Pool<DB>,
+    pub(crate) config: Arc<Config<DB>>,
     pub(crate) metrics: Arc<Metrics>,
-    /// The connection a worker's inbox keeps between transactions ([`Inbox::for_worker`]).
-    pub(crate) kept: Option<Kept<DB>>,
+    /// The connections this inbox's workers keep between transactions.
+    spares: Arc<Spares<DB>>,
+    /// Set in a worker's inbox ([`Inbox::for_worker`]): it keeps its connections as spares.
+    worker: Option<Arc<Worker<DB>>>,
     /// The queue of this inbox's writers, on a database with one writer at a time.
-    pub(crate) writers: Option<Arc<Semaphore>>,
+    writers: Option<Arc<Semaphore>>,
+}
+
+/// What an inbox is configured with; shared by its clones, replaced whole by the `with_…`
+/// methods.
+pub(crate) struct Config<DB: Backend> {
+    pub(crate) table: TableName,
+    pub(crate) statements: Statements,
+    pub(crate) settings: DB::Settings,
+    pub(crate) retention: Retention,
+}
+
+// Not derived: that would ask for `DB: Clone`.
+impl<DB: Backend> Clone for Config<DB> {
+    fn clone(&self) -> Self {
+        Self {
+            table: self.table.clone(),
+            statements: self.statements.clone(),
+            settings: self.settings.clone(),
+            retention: self.retention.clone(),
+        }
+    }
 }
 
 /// The inbox a handler taking a `&mut C` connection is rewritten to take:
@@ -68,12 +91,16 @@ impl<DB: Backend> Inbox<DB> {
     pub fn new(pool: Pool<DB>) -> Self {
         let table = TableName::default();
         Self {
-            statements: Arc::new(Statements::new(DB::DIALECT, &table)),
+            config: Arc::new(Config {
+                statements: Statements::new(DB::DIALECT, &table),
+                table,
+                settings: DB::Settings::default(),
+                retention: Retention::default(),
+            }),
             pool,
-            table,
-            retention: Arc::new(Retention::default()),
             metrics: Arc::default(),
-            kept: None,
+            spares: Arc::default(),
+            worker: None,
             writers: DB::ONE_WRITER.then(|| Arc::new(Semaphore::new(1))),
         }
     }
@@ -82,14 +109,18 @@ impl<DB: Backend> Inbox<DB> {
     /// connection of each transaction that ended cleanly and begins the next one on it, instead of
     /// handing it back to the pool and taking one again. sqlx checks a connection with a round trip
     /// each time it goes back to the pool and, unless the pool was built with
-    /// `test_before_acquire(false)`, each time it is taken; keeping it saves both.
+    /// `test_before_acquire(false)`, each time it is taken; keeping it saves both. The worker's
+    /// reads (a duplicate's stored response, [`is_processed`](Self::is_processed)) use it too.
     ///
-    /// The kept connection stays out of the pool until the worker's inbox (and its clones, which
-    /// share it) is dropped, so size the pool for one connection per worker plus what the rest of
-    /// the program uses. Concurrent calls on one worker's inbox are still correct: one of them
-    /// takes the kept connection, the others take connections from the pool. A kept connection
-    /// that broke (the server restarted) fails the next call with a retryable error and is
-    /// dropped; the call after that takes a fresh one.
+    /// The workers of one inbox share the connections they keep: a worker takes any kept
+    /// connection before it asks the pool, and while a worker of the inbox waits for the pool the
+    /// others give their connections back to it instead of keeping them, so more workers than the
+    /// pool has connections take turns rather than starve. Size the pool for one connection per
+    /// worker plus what the rest of the program uses. The kept connections go back to the pool
+    /// when the last worker's inbox (and its clones) is dropped. A kept connection that broke (the
+    /// server restarted) fails the next call with a retryable error and is dropped; the call after
+    /// that takes a fresh one. Kept connections are not subject to the pool's `max_lifetime` and
+    /// `idle_timeout` while they are kept.
     ///
     /// ```no_run
     /// # async fn demo(inbox: idempotent_runtime::Inbox<sqlx::Postgres>) {
@@ -104,7 +135,7 @@ impl<DB: Backend> Inbox<DB> {
     /// ```
     pub fn for_worker(&self) -> Self {
         Self {
-            kept: Some(Kept::default()),
+            worker: Some(Worker::new(&self.spares)),
             ..self.clone()
         }
     }
@@ -112,12 +143,27 @@ impl<DB: Backend> Inbox<DB> {
     /// The same inbox in another table; `name` must pass [`TableName::new`].
     pub fn with_table(self, name: &str) -> Result<Self, InboxError> {
         let table = TableName::new(name)?;
-        let mut statements = Statements::new(DB::DIALECT, &table);
-        statements.separate_claim = self.statements.separate_claim;
-        Ok(Self {
-            statements: Arc::new(statements),
+        Ok(self.with_config(|config| Config {
+            statements: Statements::new(DB::DIALECT, &table),
             table,
+            ..config.clone()
+        }))
+    }
+
+    /// The same inbox with its configuration replaced by `change`'s.
+    pub(crate) fn with_config(self, change: impl FnOnce(&Config<DB>) -> Config<DB>) -> Self {
+        Self {
+            config: Arc::new(change(&self.config)),
             ..self
+        }
+    }
+
+    /// The same inbox with its backend's settings replaced by `change`'s.
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    pub(crate) fn with_settings(self, change: impl FnOnce(&DB::Settings) -> DB::Settings) -> Self {
+        self.with_config(|config| Config {
+            settings: change(&config.settings),
+            ..config.clone()
         })
     }
 
@@ -128,7 +174,7 @@ impl<DB: Backend> Inbox<DB> {
 
     /// The inbox table's name.
     pub fn table(&self) -> &TableName {
-        &self.table
+        &self.config.table
     }
 
     /// What this inbox (and its clones) counted so far.
@@ -139,21 +185,22 @@ impl<DB: Backend> Inbox<DB> {
     /// Creates the inbox table, its calls table and their index if they are missing. Idempotent,
     /// and safe to call from every instance at start-up.
     pub async fn migrate(&self) -> Result<(), InboxError> {
-        DB::migrate(&self.pool, &self.table)
+        DB::migrate(&self.pool, &self.config.table)
             .await
-            .map_err(InboxError::database(Stage::Migrate))
+            .map_err(database_error(Stage::Migrate))
     }
 
     /// Begins a transaction and claims `key` for `consumer` in it: `Some` with the open transaction
     /// when this call claimed the key, `None` when the key was already processed (the transaction is
     /// rolled back). Waits while another transaction holds an uncommitted claim on the same key.
+    /// `key` is a [`MessageKey`] or any [`StableKey`](crate::StableKey) value.
     ///
     /// This is what `#[idempotent]` calls; use it directly to make a handler idempotent by hand.
     /// Dropping the returned [`Claimed`] without committing rolls everything back.
-    pub async fn claim(
+    pub async fn claim<K: AsMessageKey + ?Sized>(
         &self,
         consumer: &str,
-        key: &MessageKey,
+        key: &K,
     ) -> Result<Option<Claimed<DB>>, InboxError> {
         match self
             .claim_with(consumer, key, ClaimOptions::default())
@@ -165,49 +212,55 @@ impl<DB: Backend> Inbox<DB> {
     }
 
     /// [`claim`](Self::claim), checking a payload fingerprint and reading a stored response.
-    pub async fn claim_with(
+    pub async fn claim_with<K: AsMessageKey + ?Sized>(
         &self,
         consumer: &str,
-        key: &MessageKey,
+        key: &K,
         options: ClaimOptions<'_>,
     ) -> Result<Claim<DB>, InboxError> {
         check_consumer(consumer)?;
+        let key = key.as_message_key()?;
         let span = tracing::Span::current();
         if !span.is_disabled() {
             span.record("key", tracing::field::display(key.digest()));
         }
         let claimed = InboxTransaction::claim(
             self.resources(),
-            &self.statements,
+            &self.config.statements,
+            &self.config.settings,
             consumer,
             key.as_bytes(),
             options.fingerprint,
         )
         .await
         .map_err(|error| match error {
-            BeginError::Acquire(error) => InboxError::database(Stage::Begin)(error),
-            BeginError::Claim(error) => InboxError::database(Stage::Claim)(error),
+            BeginError::Acquire(error) => database_error(Stage::Begin)(error),
+            BeginError::Begin(error) => database_error(Stage::Claim)(error),
         })?;
-        if let Some(tx) = claimed {
-            tracing::debug!(consumer, key = %key.digest(), "claimed message key");
-            return Ok(Claim::New(Claimed {
-                tx,
-                consumer: consumer.into(),
-                key: key.clone(),
-                statements: self.statements.clone(),
-                metrics: self.metrics.clone(),
-            }));
-        }
+        let mut session = match claimed {
+            ClaimOutcome::Claimed(tx) => {
+                tracing::debug!(consumer, key = %key.digest(), "claimed message key");
+                return Ok(Claim::New(Claimed {
+                    tx,
+                    consumer: consumer.into(),
+                    key: key.into_owned(),
+                    config: self.config.clone(),
+                    metrics: self.metrics.clone(),
+                }));
+            }
+            ClaimOutcome::Duplicate(session) => session,
+        };
         self.metrics.duplicate(1);
         tracing::Span::current().record("outcome", "duplicate");
         tracing::info!(consumer, key = %key.digest(), "duplicate message: already processed");
         if options.fingerprint.is_none() && !options.read_response {
             return Ok(Claim::Duplicate { response: None });
         }
+        let statements = &self.config.statements;
         let (response, stored_fingerprint) =
-            DB::stored(&self.pool, &self.statements, consumer, key.as_bytes())
+            DB::stored(session.get(), statements, consumer, key.as_bytes())
                 .await
-                .map_err(InboxError::database(Stage::Inspect))?
+                .map_err(database_error(Stage::Inspect))?
                 .unwrap_or_default();
         if let (Some(ours), Some(theirs)) = (options.fingerprint, stored_fingerprint.as_deref())
             && ours != theirs
@@ -216,31 +269,118 @@ impl<DB: Backend> Inbox<DB> {
             tracing::warn!(consumer, key = %key.digest(), "same message key, different payload");
             return Err(InboxError::FingerprintMismatch {
                 consumer: consumer.to_owned(),
-                key: key.clone(),
+                key: key.into_owned(),
             });
         }
         Ok(Claim::Duplicate { response })
     }
 
+    /// Where its connections come from.
+    pub(crate) fn source(&self) -> Source<'_, DB> {
+        Source {
+            pool: &self.pool,
+            spares: &self.spares,
+            keeps: self.worker.is_some(),
+        }
+    }
+
     /// What its transactions need besides the statements.
     pub(crate) fn resources(&self) -> Resources<'_, DB> {
         Resources {
-            pool: &self.pool,
-            kept: self.kept.as_ref(),
+            source: self.source(),
             writers: self.writers.as_ref(),
         }
     }
 
-    /// Whether the inbox records `key` as processed by `consumer` (committed claims only).
-    pub async fn is_processed<K: StableKey + ?Sized>(
+    /// Keeps rows for `retention` after they were processed (see [`Retention`] for the default and
+    /// why), for every consumer without an override.
+    pub fn with_retention(self, retention: Duration) -> Self {
+        self.with_config(|config| Config {
+            retention: Retention {
+                default: retention,
+                ..config.retention.clone()
+            },
+            ..config.clone()
+        })
+    }
+
+    /// Keeps `consumer`'s rows for `retention`.
+    pub fn with_consumer_retention(self, consumer: &str, retention: Duration) -> Self {
+        self.with_config(|config| {
+            let mut per_consumer = config.retention.per_consumer.clone();
+            per_consumer.insert(consumer.to_owned(), retention);
+            Config {
+                retention: Retention {
+                    per_consumer,
+                    ..config.retention.clone()
+                },
+                ..config.clone()
+            }
+        })
+    }
+
+    /// How long rows are kept.
+    pub fn retention(&self) -> &Retention {
+        &self.config.retention
+    }
+
+    /// Deletes every expired row, `batch_size` rows per transaction, oldest first, using the index
+    /// on `processed_at`; each batch is one short statement, so claims wait for at most one batch.
+    /// Does nothing when another instance is purging the same table (PostgreSQL advisory lock,
+    /// MySQL `GET_LOCK`). Dropped half-way (a timeout around it), it leaves nothing behind: its
+    /// batch rolls back and the session holding the lock is closed.
+    pub async fn purge_expired(&self, batch_size: usize) -> Result<PurgeReport, InboxError> {
+        self.purge(batch_size, Duration::ZERO).await
+    }
+
+    async fn purge(&self, batch_size: usize, pause: Duration) -> Result<PurgeReport, InboxError> {
+        let source = Source {
+            keeps: false,
+            ..self.source()
+        };
+        let scope = retention::Scope {
+            table: &self.config.table,
+            statements: &self.config.statements,
+            retention: &self.config.retention,
+            metrics: &self.metrics,
+        };
+        retention::purge(source, scope, batch_size, pause).await
+    }
+
+    /// Starts a tokio task that purges expired rows every `options.interval`. Safe to start in
+    /// every instance: only one purges a table at a time, the others skip their turn. It reports
+    /// what it deleted through `tracing` (and [`metrics`](Inbox::metrics)); a failed purge is logged
+    /// and tried again at the next interval. It runs until the returned [`Purger`] is stopped or
+    /// dropped.
+    pub fn spawn_purger(&self, options: PurgerOptions) -> Purger {
+        let inbox = self.clone();
+        retention::spawn(options, self.config.table.clone(), move |batch, pause| {
+            let inbox = inbox.clone();
+            Box::pin(async move { inbox.purge(batch, pause).await })
+        })
+    }
+
+    /// Whether the inbox records `key` as processed by `consumer` (committed claims only). `key`
+    /// is a [`MessageKey`] or any [`StableKey`](crate::StableKey) value.
+    pub async fn is_processed<K: AsMessageKey + ?Sized>(
         &self,
         consumer: &str,
         key: &K,
     ) -> Result<bool, InboxError> {
-        let key = message_key(key)?;
-        let row = DB::stored(&self.pool, &self.statements, consumer, key.as_bytes())
+        check_consumer(consumer)?;
+        let key = key.as_message_key()?;
+        let mut session = Session::take(self.source())
             .await
-            .map_err(InboxError::database(Stage::Inspect))?;
+            .map_err(database_error(Stage::Inspect))?;
+        let row = DB::stored(
+            session.start_step(),
+            &self.config.statements,
+            consumer,
+            key.as_bytes(),
+        )
+        .await
+        .map_err(database_error(Stage::Inspect))?;
+        session.end_step();
         Ok(row.is_some())
     }
 }
@@ -249,11 +389,10 @@ impl<DB: Backend> Clone for Inbox<DB> {
     fn clone(&self) -> Self {
         Self {
             pool: self.pool.clone(),
-            table: self.table.clone(),
-            statements: self.statements.clone(),
-            retention: self.retention.clone(),
+            config: self.config.clone(),
             metrics: self.metrics.clone(),
-            kept: self.kept.clone(),
+            spares: self.spares.clone(),
+            worker: self.worker.clone(),
             writers: self.writers.clone(),
         }
     }
@@ -262,25 +401,34 @@ impl<DB: Backend> Clone for Inbox<DB> {
 impl<DB: Backend> fmt::Debug for Inbox<DB> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Inbox")
-            .field("table", &self.table)
-            .field("retention", &self.retention)
-            .field("for_worker", &self.kept.is_some())
+            .field("table", &self.config.table)
+            .field("settings", &self.config.settings)
+            .field("retention", &self.config.retention)
+            .field("for_worker", &self.worker.is_some())
             .finish_non_exhaustive()
     }
 }
 
+/// Checks a consumer name before it reaches any SQL.
 pub(crate) fn check_consumer(consumer: &str) -> Result<(), InboxError> {
-    let reason = if consumer.is_empty() {
-        "it is empty"
-    } else if consumer.len() > MAX_CONSUMER_LEN {
-        "it is longer than 200 bytes"
-    } else {
-        return Ok(());
-    };
-    Err(InboxError::ConsumerName {
+    check_name(consumer).map_err(|reason| InboxError::ConsumerName {
         name: consumer.to_owned(),
         reason,
     })
+}
+
+/// What is wrong with a consumer or call name, if anything: empty, longer than
+/// [`MAX_CONSUMER_LEN`] bytes, or holding a NUL byte (which PostgreSQL's text cannot hold).
+pub(crate) fn check_name(name: &str) -> Result<(), &'static str> {
+    if name.is_empty() {
+        Err("it is empty")
+    } else if name.len() > MAX_CONSUMER_LEN {
+        Err("it is longer than 200 bytes")
+    } else if name.contains('\0') {
+        Err("it holds a NUL byte")
+    } else {
+        Ok(())
+    }
 }
 
 /// A transaction in which this caller holds the claim on a message key. Run the handler's work on
@@ -290,7 +438,7 @@ pub struct Claimed<DB: Backend> {
     tx: InboxTransaction<DB>,
     consumer: Box<str>,
     key: MessageKey,
-    statements: Arc<Statements>,
+    config: Arc<Config<DB>>,
     metrics: Arc<Metrics>,
 }
 
@@ -311,23 +459,32 @@ impl<DB: Backend> Claimed<DB> {
         IdempotencyKey::new(&self.consumer, &self.key)
     }
 
-    /// Commits the handler's work and the claim together.
+    /// Commits the handler's work and the claim together, if the transaction is still the one the
+    /// claim began and nothing in it failed: otherwise rolls back and returns
+    /// [`InboxError::TransactionAborted`] or [`InboxError::TransactionEnded`], never `Ok`.
     pub async fn commit(self) -> Result<(), InboxError> {
-        let (consumer, key) = (self.consumer, self.key);
-        match self.tx.commit().await {
+        let Self {
+            tx,
+            consumer,
+            key,
+            config,
+            metrics,
+        } = self;
+        let claim = (&config.statements, &*consumer, &key);
+        let committed = commit(tx, Some(claim)).await;
+        match &committed {
             Ok(()) => {
-                self.metrics.processed(1);
+                metrics.processed(1);
                 tracing::Span::current().record("outcome", "processed");
                 tracing::debug!(%consumer, key = %key.digest(), "committed");
-                Ok(())
             }
             Err(error) => {
-                self.metrics.rolled_back(1);
+                metrics.rolled_back(1);
                 tracing::Span::current().record("outcome", "commit failed");
                 tracing::warn!(%consumer, key = %key.digest(), %error, "commit failed");
-                Err(InboxError::database(Stage::Commit)(error))
             }
         }
+        committed
     }
 
     /// Rolls back the handler's work and the claim: a redelivery will run the handler again.
@@ -335,28 +492,61 @@ impl<DB: Backend> Claimed<DB> {
         self.metrics.rolled_back(1);
         tracing::Span::current().record("outcome", "rolled back");
         tracing::debug!(consumer = %self.consumer, key = %self.key.digest(), "rolled back");
-        self.tx.rollback().await
+        let _ = self.tx.rollback().await;
     }
 
-    /// Commits on `Ok`, rolls back on `Err`: the end of every rewritten handler.
+    /// Commits on `Ok`, rolls back on `Err`: the end of every rewritten handler. An `Err` is
+    /// [`Error::Transient`] when the rollback after it finds the connection dead; handlers
+    /// rewritten by `#[idempotent]` also look for a database failure in the error's sources.
     pub async fn finish<T, E>(self, result: Result<T, E>) -> Result<Handled<T>, Error<E>> {
-        match result {
-            Ok(value) => {
-                self.commit().await?;
-                Ok(Handled::Processed(value))
-            }
-            Err(error) => {
-                self.rollback().await;
-                Err(Error::Handler(error))
-            }
-        }
+        self.finish_after(result, |_| None).await
     }
 
     /// [`finish`](Self::finish), storing the `Ok` value (as JSON) with the inbox row, so that a
     /// duplicate can return it.
     pub async fn finish_storing<T: Serialize, E>(
+        self,
+        result: Result<T, E>,
+    ) -> Result<Handled<T>, Error<E>> {
+        self.finish_storing_after(result, |_| None).await
+    }
+
+    /// [`finish`](Self::finish), with `as_error` to look into the handler's error.
+    pub(crate) async fn finish_after<T, E>(
+        self,
+        result: Result<T, E>,
+        as_error: impl for<'a> FnOnce(&'a E) -> Option<&'a (dyn std::error::Error + 'static)>,
+    ) -> Result<Handled<T>, Error<E>> {
+        let error = match result {
+            Ok(value) => {
+                self.commit().await?;
+                return Ok(Handled::Processed(value));
+            }
+            Err(error) => error,
+        };
+        let fault = as_error(&error).map_or(Fault::None, fault_of);
+        self.metrics.rolled_back(1);
+        tracing::Span::current().record("outcome", "rolled back");
+        tracing::debug!(consumer = %self.consumer, key = %self.key.digest(), ?fault, "handler failed; rolled back");
+        let rolled_back = if fault == Fault::Broken {
+            // The connection is lost, or its prepared statements are: close it.
+            self.tx.rollback_and_close().await;
+            false
+        } else {
+            self.tx.rollback().await.is_ok()
+        };
+        if fault == Fault::None && rolled_back {
+            Err(Error::Handler(error))
+        } else {
+            Err(Error::Transient(error))
+        }
+    }
+
+    /// [`finish_storing`](Self::finish_storing), with `as_error` to look into the handler's error.
+    pub(crate) async fn finish_storing_after<T: Serialize, E>(
         mut self,
         result: Result<T, E>,
+        as_error: impl for<'a> FnOnce(&'a E) -> Option<&'a (dyn std::error::Error + 'static)>,
     ) -> Result<Handled<T>, Error<E>> {
         if let Ok(value) = &result {
             let response = serde_json::to_vec(value).map_err(|error| {
@@ -366,15 +556,15 @@ impl<DB: Backend> Claimed<DB> {
             })?;
             DB::set_response(
                 self.tx.connection(),
-                &self.statements,
+                &self.config.statements,
                 &self.consumer,
                 self.key.as_bytes(),
                 &response,
             )
             .await
-            .map_err(|error| Error::Inbox(InboxError::database(Stage::Claim)(error)))?;
+            .map_err(|error| Error::Inbox(database_error(Stage::StoreResponse)(error)))?;
         }
-        self.finish(result).await
+        self.finish_after(result, as_error).await
     }
 }
 
@@ -432,6 +622,38 @@ impl<T> Handled<T> {
             Handled::Duplicate { response, .. } => response,
         }
     }
+}
+
+/// Commits `tx`, or says why it did not: the error of every way a commit can end but committed.
+/// `claim` is the claim to look for when the body ended the transaction itself; without it, such a
+/// transaction counts as having committed its claims.
+pub(crate) async fn commit<DB: Backend>(
+    tx: InboxTransaction<DB>,
+    claim: Option<(&Statements, &str, &MessageKey)>,
+) -> Result<(), InboxError> {
+    Err(match tx.commit().await {
+        Ok((Ending::Committed, _)) => return Ok(()),
+        Ok((Ending::Aborted, _)) => InboxError::TransactionAborted,
+        Ok((Ending::Replaced, mut session)) => {
+            // The body ended the transaction: find out whether it took the claim with it.
+            let committed = match claim {
+                Some((statements, consumer, key)) => {
+                    let row =
+                        DB::stored(session.start_step(), statements, consumer, key.as_bytes())
+                            .await;
+                    session.end_step();
+                    // Unknown counts as committed: a redelivery is then at worst a duplicate.
+                    row.map_or(true, |row| row.is_some())
+                }
+                None => true,
+            };
+            InboxError::TransactionEnded {
+                key_committed: committed,
+                later_writes_refused: DB::REFUSES_LATER_WRITES,
+            }
+        }
+        Ok((Ending::Refused(error), _)) | Err(error) => database_error(Stage::Commit)(error),
+    })
 }
 
 /// Decodes a stored response.

@@ -174,6 +174,25 @@ pub fn message_key<K: StableKey + ?Sized>(value: &K) -> Result<MessageKey, KeyEr
     builder.finish()
 }
 
+/// What the inbox's methods take as a message key: a [`MessageKey`] as it is, or any
+/// [`StableKey`] value, encoded on the way.
+pub trait AsMessageKey {
+    /// The stored key.
+    fn as_message_key(&self) -> Result<std::borrow::Cow<'_, MessageKey>, KeyError>;
+}
+
+impl AsMessageKey for MessageKey {
+    fn as_message_key(&self) -> Result<std::borrow::Cow<'_, MessageKey>, KeyError> {
+        Ok(std::borrow::Cow::Borrowed(self))
+    }
+}
+
+impl<K: StableKey + ?Sized> AsMessageKey for K {
+    fn as_message_key(&self) -> Result<std::borrow::Cow<'_, MessageKey>, KeyError> {
+        message_key(self).map(std::borrow::Cow::Owned)
+    }
+}
+
 /// Why a message key was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]

@@ -13,7 +13,8 @@ pub mod key;
 mod markers;
 mod metrics;
 mod retention;
-pub mod store;
+mod session;
+mod store;
 mod table;
 mod transaction;
 
@@ -22,7 +23,7 @@ pub mod __private;
 
 pub use batch::ClaimedBatch;
 pub use calls::{CallLease, CallStart};
-pub use error::{Error, InboxError, Stage, is_retryable};
+pub use error::{Error, Fault, InboxError, Stage};
 pub use inbox::{Claim, ClaimOptions, Claimed, Handled, Inbox, InboxFor, MAX_CONSUMER_LEN};
 pub use key::{IdempotencyKey, KeyBuilder, KeyError, MessageKey, StableKey, message_key};
 pub use markers::{CorrelationId, DeliveryTag};
@@ -37,5 +38,5 @@ pub use store::postgres;
 #[cfg(feature = "sqlite")]
 #[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
 pub use store::sqlite;
-pub use store::{Backend, HandlerConnection};
+pub use store::{Backend, HandlerConnection, is_retryable};
 pub use table::TableName;

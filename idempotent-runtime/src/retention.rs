@@ -4,8 +4,10 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use crate::error::{InboxError, Stage};
-use crate::inbox::Inbox;
-use crate::store::Backend;
+use crate::metrics::Metrics;
+use crate::session::{Session, Source};
+use crate::store::{Backend, PurgeLock, Statements, database_error};
+use crate::table::TableName;
 
 /// How long processed rows are kept: a default, and overrides per consumer.
 ///
@@ -16,8 +18,8 @@ use crate::store::Backend;
 /// your dead-letter queues keep messages longer.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Retention {
-    default: Duration,
-    per_consumer: BTreeMap<String, Duration>,
+    pub(crate) default: Duration,
+    pub(crate) per_consumer: BTreeMap<String, Duration>,
 }
 
 impl Retention {
@@ -54,7 +56,7 @@ pub struct PurgeReport {
     pub locked_elsewhere: bool,
 }
 
-/// How the background purger works; see [`Inbox::spawn_purger`].
+/// How the background purger works; see [`Inbox::spawn_purger`](crate::Inbox::spawn_purger).
 #[derive(Debug, Clone, Copy)]
 #[non_exhaustive]
 pub struct PurgerOptions {
@@ -91,16 +93,24 @@ impl PurgerOptions {
     }
 }
 
-/// A running background purger; stops when dropped or [stopped](Purger::stop).
+/// A running background purger; stops when dropped or [stopped](Purger::stop), so keep it for as
+/// long as it should run (or [`detach`](Purger::detach) it).
 #[derive(Debug)]
+#[must_use = "the purger stops when dropped: keep it for as long as it should run, or detach it"]
 pub struct Purger {
     task: tokio::task::JoinHandle<()>,
 }
 
 impl Purger {
-    /// Stops the purger (a purge in progress stops after its current statement).
+    /// Stops the purger. A purge in progress stops where it is: its batch rolls back, and its
+    /// session (which holds the purger's lock) is closed, which releases the lock.
     pub fn stop(self) {
         self.task.abort();
+    }
+
+    /// Lets the purger run until the runtime shuts down, with nothing left to stop it.
+    pub fn detach(self) {
+        std::mem::forget(self);
     }
 }
 
@@ -110,131 +120,129 @@ impl Drop for Purger {
     }
 }
 
-fn millis(duration: Duration) -> i64 {
+/// `duration` in whole milliseconds, saturated at `i64::MAX`.
+pub(crate) fn millis(duration: Duration) -> i64 {
     i64::try_from(duration.as_millis()).unwrap_or(i64::MAX)
 }
 
-impl<DB: Backend> Inbox<DB> {
-    /// Keeps rows for `retention` after they were processed (see [`Retention`] for the default and
-    /// why), for every consumer without an override.
-    pub fn with_retention(self, retention: Duration) -> Self {
-        let mut config = (*self.retention).clone();
-        config.default = retention;
-        Self {
-            retention: config.into(),
-            ..self
-        }
-    }
-
-    /// Keeps `consumer`'s rows for `retention`.
-    pub fn with_consumer_retention(self, consumer: &str, retention: Duration) -> Self {
-        let mut config = (*self.retention).clone();
-        config.per_consumer.insert(consumer.to_owned(), retention);
-        Self {
-            retention: config.into(),
-            ..self
-        }
-    }
-
-    /// How long rows are kept.
-    pub fn retention(&self) -> &Retention {
-        &self.retention
-    }
-
-    /// Deletes every expired row, `batch_size` rows per transaction, oldest first, using the index
-    /// on `processed_at`; each batch is one short statement, so claims wait for at most one batch.
-    /// Does nothing when another instance is purging the same table (PostgreSQL advisory lock,
-    /// MySQL `GET_LOCK`).
-    pub async fn purge_expired(&self, batch_size: usize) -> Result<PurgeReport, InboxError> {
-        self.purge(batch_size.max(1), Duration::ZERO).await
-    }
-
-    async fn purge(&self, batch_size: usize, pause: Duration) -> Result<PurgeReport, InboxError> {
-        let error = InboxError::database(Stage::Purge);
-        let Some(lock) = DB::try_lock_purge(&self.pool, &self.table)
-            .await
-            .map_err(error)?
-        else {
-            tracing::debug!(table = %self.table, "another instance is purging");
-            return Ok(PurgeReport {
-                locked_elsewhere: true,
-                ..PurgeReport::default()
-            });
-        };
-        let result = self.purge_locked(batch_size, pause).await;
-        let unlocked = DB::unlock_purge(lock, &self.table).await;
-        let report = result?;
-        unlocked.map_err(InboxError::database(Stage::Purge))?;
-        tracing::info!(
-            table = %self.table,
-            deleted = report.deleted,
-            batches = report.batches,
-            "purged expired inbox rows"
-        );
-        Ok(report)
-    }
-
-    async fn purge_locked(
-        &self,
-        batch_size: usize,
-        pause: Duration,
-    ) -> Result<PurgeReport, InboxError> {
-        let batch = i64::try_from(batch_size).unwrap_or(i64::MAX);
-        let overridden: Vec<String> = self.retention.per_consumer.keys().cloned().collect();
-        let mut scopes: Vec<(String, i64, Vec<String>)> = self
-            .retention
-            .per_consumer
-            .iter()
-            .map(|(consumer, retention)| {
-                (
-                    self.statements.purge(true, 0),
-                    millis(*retention),
-                    vec![consumer.clone()],
-                )
-            })
-            .collect();
-        scopes.push((
-            self.statements.purge(false, overridden.len()),
-            millis(self.retention.default),
-            overridden,
-        ));
-        let mut report = PurgeReport::default();
-        for (statement, retention_ms, consumers) in &scopes {
-            loop {
-                let deleted =
-                    DB::purge_batch(&self.pool, statement, *retention_ms, consumers, batch)
-                        .await
-                        .map_err(InboxError::database(Stage::Purge))?;
-                report.deleted += deleted;
-                report.batches += 1;
-                self.metrics.purged(deleted);
-                if deleted < batch as u64 {
-                    break;
-                }
-                if !pause.is_zero() {
-                    tokio::time::sleep(pause).await;
-                }
-            }
-        }
-        Ok(report)
-    }
-
-    /// Starts a tokio task that purges expired rows every `options.interval`. Safe to start in
-    /// every instance: only one purges a table at a time, the others skip their turn. It reports
-    /// what it deleted through `tracing` (and [`metrics`](Inbox::metrics)); a failed purge is logged
-    /// and tried again at the next interval.
-    pub fn spawn_purger(&self, options: PurgerOptions) -> Purger {
-        let inbox = self.clone();
-        let task = tokio::spawn(async move {
-            let mut ticks = tokio::time::interval(options.interval);
-            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                ticks.tick().await;
-                if let Err(error) = inbox.purge(options.batch_size.max(1), options.pause).await {
-                    tracing::warn!(table = %inbox.table, %error, "purge failed; trying again later");
-                }
-            }
-        });
-        Purger { task }
-    }
+/// What one purge works on.
+pub(crate) struct Scope<'a> {
+    pub(crate) table: &'a TableName,
+    pub(crate) statements: &'a Statements,
+    pub(crate) retention: &'a Retention,
+    pub(crate) metrics: &'a Metrics,
 }
+
+/// Deletes every expired row, `batch_size` rows per statement, oldest first, pausing `pause`
+/// between batches; does nothing when another instance holds the purger's lock. Dropped half-way,
+/// it leaves nothing behind: the batch in flight rolls back with its closed connection, and the
+/// session holding the lock is closed too.
+pub(crate) async fn purge<DB: Backend>(
+    source: Source<'_, DB>,
+    scope: Scope<'_>,
+    batch_size: usize,
+    pause: Duration,
+) -> Result<PurgeReport, InboxError> {
+    let table = scope.table;
+    let Some(lock) = PurgeLock::<DB>::try_lock(source.pool, table)
+        .await
+        .map_err(database_error(Stage::Purge))?
+    else {
+        tracing::debug!(%table, "another instance is purging");
+        return Ok(PurgeReport {
+            locked_elsewhere: true,
+            ..PurgeReport::default()
+        });
+    };
+    // On an error the lock is dropped, which closes its session.
+    let report = purge_locked(source, &scope, batch_size.max(1), pause).await?;
+    lock.unlock(table)
+        .await
+        .map_err(database_error(Stage::Purge))?;
+    tracing::info!(
+        %table,
+        deleted = report.deleted,
+        batches = report.batches,
+        "purged expired inbox rows"
+    );
+    Ok(report)
+}
+
+async fn purge_locked<DB: Backend>(
+    source: Source<'_, DB>,
+    scope: &Scope<'_>,
+    batch_size: usize,
+    pause: Duration,
+) -> Result<PurgeReport, InboxError> {
+    let batch = i64::try_from(batch_size).unwrap_or(i64::MAX);
+    let Scope {
+        retention,
+        statements,
+        metrics,
+        ..
+    } = scope;
+    let overridden: Vec<String> = retention.per_consumer.keys().cloned().collect();
+    let mut scopes: Vec<(String, i64, Vec<String>)> = retention
+        .per_consumer
+        .iter()
+        .map(|(consumer, retention)| {
+            (
+                statements.purge(true, 0),
+                millis(*retention),
+                vec![consumer.clone()],
+            )
+        })
+        .collect();
+    scopes.push((
+        statements.purge(false, overridden.len()),
+        millis(retention.default),
+        overridden,
+    ));
+    let mut session = Session::take(source)
+        .await
+        .map_err(database_error(Stage::Purge))?;
+    let mut report = PurgeReport::default();
+    for (statement, retention_ms, consumers) in &scopes {
+        loop {
+            let conn = session.start_step();
+            let deleted = DB::purge_batch(conn, statement, *retention_ms, consumers, batch)
+                .await
+                .map_err(database_error(Stage::Purge))?;
+            session.end_step();
+            report.deleted += deleted;
+            report.batches += 1;
+            metrics.purged(deleted);
+            if deleted < batch as u64 {
+                break;
+            }
+            if !pause.is_zero() {
+                tokio::time::sleep(pause).await;
+            }
+        }
+    }
+    Ok(report)
+}
+
+/// Runs `purge` every `options.interval` in a tokio task, logging its failures.
+pub(crate) fn spawn<F>(options: PurgerOptions, table: TableName, mut purge: F) -> Purger
+where
+    F: FnMut(usize, Duration) -> BoxFuture<'static, Result<PurgeReport, InboxError>>
+        + Send
+        + 'static,
+{
+    let task = tokio::spawn(async move {
+        let mut ticks = tokio::time::interval(options.interval);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            ticks.tick().await;
+            if let Err(error) = purge(options.batch_size.max(1), options.pause).await {
+                tracing::warn!(%table, %error, "purge failed; trying again later");
+            }
+        }
+    });
+    Purger { task }
+}
+
+/// A boxed, sendable future.
+pub(crate) type BoxFuture<'a, T> =
+    std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + 'a>>;

@@ -1,150 +1,290 @@
-//! The handler's transaction: a pooled connection in a transaction the inbox began.
+//! The handler's transaction, from its `BEGIN` to its end; the one place that decides what happens
+//! to a transaction and its connection.
 //!
-//! sqlx's `Transaction` can only be made by sending its own `BEGIN`, and a PostgreSQL claim
-//! travels in the same message as its `BEGIN` (see [`postgres`](crate::store::postgres)). So the
-//! inbox keeps the connection itself and drives sqlx's transaction manager with the same rules as
-//! `Transaction`: sqlx tracks the depth (a `begin()` in a handler's body opens a savepoint), and
-//! dropping an open transaction queues its rollback. One rule more: a connection dropped while a
-//! step was still in flight (a cancelled future, a panic), when nothing says whether a transaction
-//! is open on the server, is closed instead of going back to the pool, which ends that transaction.
+//! sqlx's `Transaction` can only be made by sending its own `BEGIN`, and the inbox sends its
+//! own: one that claims the key in the same message (PostgreSQL's pipelined claim), or one that
+//! lets the commit tell later whether the transaction is still the one the inbox began (every
+//! backend; see [`Store::BEGIN`](crate::store::Store)). So the inbox drives sqlx's transaction
+//! manager itself, with the same rules as `Transaction`: sqlx tracks the depth, so that a
+//! `begin()` in a handler's body opens a savepoint.
 //!
-//! An inbox made for one worker ([`Inbox::for_worker`](crate::Inbox::for_worker)) keeps the
-//! connection of a transaction that ended cleanly and takes it for the next one, instead of
-//! handing it back to the pool and taking one again (sqlx checks a connection with a round trip
-//! at each of those).
+//! The rules:
+//! - A commit commits only the transaction the inbox began, with nothing failed in it. A body that
+//!   carried on after a failed statement (PostgreSQL aborts the transaction, and its `COMMIT` would
+//!   quietly roll back), or that ended the transaction itself (or had it rolled back under it by a
+//!   deadlock on MySQL), gets an [`Ending`] other than `Committed`, never a success.
+//! - A transaction dropped before it ended (a cancelled future, a panic) is rolled back by closing
+//!   its connection, except where the driver recovers the connection itself (SQLite); a step whose
+//!   outcome is unknown (a failed commit, a failed rollback) closes it everywhere. See
+//!   [`session`](crate::session).
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
-use sqlx::pool::PoolConnection;
-use sqlx::{AssertSqlSafe, Database, Pool, SqlSafeStr};
+use sqlx::{AssertSqlSafe, Database, SqlSafeStr};
 use sqlx_core::transaction::TransactionManager;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use crate::store::{Backend, Statements};
-
-/// Where a worker's inbox keeps its connection between transactions.
-pub(crate) type Kept<DB> = Arc<Mutex<Option<PoolConnection<DB>>>>;
-
-/// What a transaction needs besides the pool: the connection its worker keeps, and the queue of an
-/// inbox's writers on a database with one writer at a time.
-pub(crate) struct Resources<'a, DB: Database> {
-    pub(crate) pool: &'a Pool<DB>,
-    pub(crate) kept: Option<&'a Kept<DB>>,
-    pub(crate) writers: Option<&'a Arc<Semaphore>>,
-}
-
-// Not derived: that would ask for `DB: Copy`.
-impl<DB: Database> Clone for Resources<'_, DB> {
-    fn clone(&self) -> Self {
-        *self
-    }
-}
-
-impl<DB: Database> Copy for Resources<'_, DB> {}
+use crate::session::{Session, Source};
+use crate::store::{Backend, Ending, Statements};
 
 /// How long a transaction waits in the writers' queue before it goes on to the database's lock.
 const WRITERS_QUEUE_PATIENCE: Duration = Duration::from_secs(5);
 
-/// An open transaction, at depth one, on a connection taken from the pool (or kept). Dropped
-/// without [`commit`](Self::commit) or [`rollback`](Self::rollback), it rolls back.
+/// What a transaction needs besides the statements: where its connection comes from, and the
+/// queue of an inbox's writers on a database with one writer at a time.
+#[derive(Clone, Copy)]
+pub(crate) struct Resources<'a, DB: Backend> {
+    pub(crate) source: Source<'a, DB>,
+    pub(crate) writers: Option<&'a Arc<Semaphore>>,
+}
+
+/// An open transaction, at depth one, that the inbox began. Dropped without
+/// [`commit`](Self::commit) or [`rollback`](Self::rollback), it rolls back.
 pub(crate) struct InboxTransaction<DB: Backend> {
-    /// `Some` until the connection goes back where it is kept.
-    conn: Option<PoolConnection<DB>>,
-    home: Option<Kept<DB>>,
+    session: Session<DB>,
+    watch: DB::Watch,
     /// This transaction's turn in the writers' queue, released when it ends.
     _turn: Option<OwnedSemaphorePermit>,
 }
 
+/// What a claim found.
+pub(crate) enum ClaimOutcome<DB: Backend> {
+    /// The key is ours, in this open transaction.
+    Claimed(InboxTransaction<DB>),
+    /// The key was committed before; nothing is open on this session, which is free for reads.
+    Duplicate(Session<DB>),
+}
+
+/// Why a transaction could not begin: no connection from the pool, or the statements that begin
+/// it (and claim the key) failed.
+pub(crate) enum BeginError {
+    Acquire(sqlx::Error),
+    Begin(sqlx::Error),
+}
+
+/// How a commit went; the session is clean and free for reads, except after `Err`.
+pub(crate) type Committed<DB> = Result<(Ending, Session<DB>), sqlx::Error>;
+
 impl<DB: Backend> InboxTransaction<DB> {
-    /// Takes a connection, begins a transaction and claims `key` for `consumer` in it: `Some` with
-    /// the transaction when this call inserted the key, `None` when it was there (nothing is left
-    /// open).
+    /// Takes a connection, begins a transaction and claims `key` for `consumer` in it.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) async fn claim(
         with: Resources<'_, DB>,
         statements: &Statements,
+        settings: &DB::Settings,
         consumer: &str,
         key: &[u8],
         fingerprint: Option<&[u8]>,
-    ) -> Result<Option<Self>, BeginError> {
+    ) -> Result<ClaimOutcome<DB>, BeginError> {
+        let session = Session::take(with.source)
+            .await
+            .map_err(BeginError::Acquire)?;
         let turn = take_turn(with.writers).await;
-        let mut conn = InFlight::acquire(with).await.map_err(BeginError::Acquire)?;
-        let claimed = DB::begin_claim(conn.get(), statements, consumer, key, fingerprint).await;
-        let tx = Self {
-            conn: Some(conn.landed()),
-            home: with.kept.cloned(),
-            _turn: turn,
+        let mut tx = Self::begin_on(session, turn).await?;
+        let pipelined = DB::pipelined_claim(settings, statements, consumer, key, fingerprint);
+        let claimed = match pipelined {
+            Some(message) => tx.pipelined_claim(&message, statements, settings).await,
+            None => Err(Pipeline::NotSent),
         };
-        if claimed.map_err(BeginError::Claim)? {
-            return Ok(Some(tx));
-        }
-        tx.go_home();
-        Ok(None)
-    }
-
-    /// Takes a connection and begins a transaction that will write.
-    pub(crate) async fn begin(with: Resources<'_, DB>) -> Result<Self, sqlx::Error> {
-        let turn = take_turn(with.writers).await;
-        let mut conn = InFlight::acquire(with).await?;
-        let begun = begin::<DB>(conn.get()).await;
-        let conn = conn.landed();
-        begun.map(|()| Self {
-            conn: Some(conn),
-            home: with.kept.cloned(),
-            _turn: turn,
-        })
-    }
-
-    /// The transaction's connection.
-    pub(crate) fn connection(&mut self) -> &mut DB::Connection {
-        self.conn
-            .as_mut()
-            .expect("a transaction has its connection until it ends")
-    }
-
-    /// Commits. On an error the transaction is dropped, which rolls back what is left of it.
-    pub(crate) async fn commit(mut self) -> Result<(), sqlx::Error> {
-        <DB as Database>::TransactionManager::commit(self.connection()).await?;
-        self.go_home();
-        Ok(())
-    }
-
-    /// Rolls back. When that fails the connection is broken: it is closed instead of going back
-    /// to the pool, and the server rolls back as the session ends.
-    pub(crate) async fn rollback(mut self) {
-        match <DB as Database>::TransactionManager::rollback(self.connection()).await {
-            Ok(()) => self.go_home(),
+        let claimed = match claimed {
+            Ok(claimed) => Ok(claimed),
+            Err(Pipeline::Failed(error)) => return Err(BeginError::Begin(error)),
+            Err(Pipeline::NotSent) => {
+                tx.separate_claim(statements, consumer, key, fingerprint)
+                    .await
+            }
+        };
+        match claimed {
+            Ok(true) => Ok(ClaimOutcome::Claimed(tx)),
+            Ok(false) => tx
+                .rollback()
+                .await
+                .map(ClaimOutcome::Duplicate)
+                .map_err(BeginError::Begin),
             Err(error) => {
-                tracing::warn!(%error, "rollback failed; the connection is closed");
-                if let Some(conn) = &mut self.conn {
-                    conn.close_on_drop();
-                }
+                // A lock timeout, a deadlock: end what is open, keep the connection if that works.
+                let _ = tx.rollback().await;
+                Err(BeginError::Begin(error))
             }
         }
     }
 
-    /// Puts the connection, with no transaction open, where its worker keeps it; or lets it go
-    /// back to the pool.
-    fn go_home(mut self) {
-        if let (Some(home), Some(conn)) = (&self.home, self.conn.take()) {
-            let mut slot = home.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-            // Another transaction of the same worker's inbox may have put its own there first.
-            let spare = slot.replace(conn);
-            drop(slot);
-            drop(spare);
+    /// Takes a connection and begins a transaction that will write.
+    pub(crate) async fn begin(with: Resources<'_, DB>) -> Result<Self, BeginError> {
+        let session = Session::take(with.source)
+            .await
+            .map_err(BeginError::Acquire)?;
+        let turn = take_turn(with.writers).await;
+        let mut tx = Self::begin_on(session, turn).await?;
+        tx.open().await.map_err(BeginError::Begin)?;
+        Ok(tx)
+    }
+
+    /// Readies the session for a transaction (nothing is open yet).
+    async fn begin_on(
+        mut session: Session<DB>,
+        turn: Option<OwnedSemaphorePermit>,
+    ) -> Result<Self, BeginError> {
+        let watch = DB::watch(session.start_step())
+            .await
+            .map_err(BeginError::Begin)?;
+        session.end_step();
+        Ok(Self {
+            session,
+            watch,
+            _turn: turn,
+        })
+    }
+
+    /// Sends the backend's `BEGIN`.
+    async fn open(&mut self) -> Result<(), sqlx::Error> {
+        self.begin_with(DB::BEGIN.to_owned()).await
+    }
+
+    /// Begins the transaction with `statement`, through sqlx's transaction manager.
+    async fn begin_with(&mut self, statement: String) -> Result<(), sqlx::Error> {
+        let conn = self.session.start_step();
+        let statement = AssertSqlSafe(statement).into_sql_str();
+        <DB as Database>::TransactionManager::begin(conn, Some(statement)).await?;
+        self.session.end_step();
+        Ok(())
+    }
+
+    /// The claim in one message with its `BEGIN`: `true` when it inserted the key, `false` when
+    /// a committed duplicate made it fail with a unique violation (nothing is left open).
+    async fn pipelined_claim(
+        &mut self,
+        message: &str,
+        statements: &Statements,
+        settings: &DB::Settings,
+    ) -> Result<bool, Pipeline> {
+        match self.begin_pipelined(message).await {
+            Err(Pipeline::Failed(error)) if DB::lost_statement(&error) => {}
+            outcome => return outcome,
         }
+        // This session has not prepared the claim: a new connection, or a `DEALLOCATE`.
+        let conn = self.session.start_step();
+        DB::prepare_pipelined_claim(conn, settings, statements)
+            .await
+            .map_err(Pipeline::Failed)?;
+        self.session.end_step();
+        match self.begin_pipelined(message).await {
+            // Still missing: a pooler in transaction mode moved us to another session.
+            Err(Pipeline::Failed(error)) if DB::lost_statement(&error) => Err(Pipeline::NotSent),
+            outcome => outcome,
+        }
+    }
+
+    async fn begin_pipelined(&mut self, message: &str) -> Result<bool, Pipeline> {
+        let Err(error) = self.begin_with(message.to_owned()).await else {
+            return Ok(true);
+        };
+        // The claim failed in the transaction its message began, which is now aborted (or the
+        // `BEGIN` failed and there is none); sqlx counts none. End it before anything else.
+        let ended = DB::run(self.session.get(), "ROLLBACK").await;
+        if let Err(rollback) = ended {
+            self.session.discard();
+            return Err(Pipeline::Failed(rollback));
+        }
+        self.session.end_step();
+        // A unique violation says another transaction committed the key, whatever became of ours.
+        match error.as_database_error() {
+            Some(database) if database.is_unique_violation() => Ok(false),
+            _ => Err(Pipeline::Failed(error)),
+        }
+    }
+
+    /// The backend's `BEGIN`, then the claim in a statement of its own: `true` when it inserted
+    /// the key (the transaction stays open), `false` when the key was there.
+    async fn separate_claim(
+        &mut self,
+        statements: &Statements,
+        consumer: &str,
+        key: &[u8],
+        fingerprint: Option<&[u8]>,
+    ) -> Result<bool, sqlx::Error> {
+        for attempt in 0..2 {
+            self.open().await?;
+            let conn = self.session.start_step();
+            match DB::claim(conn, statements, consumer, key, fingerprint).await {
+                Err(error) if attempt == 0 && DB::lost_statement(&error) => {
+                    // The session lost the statement sqlx had prepared for the claim (a
+                    // `DEALLOCATE ALL`): end the transaction, forget the statements, try again.
+                    self.end_in_rollback().await?;
+                    DB::forget_statements(self.session.start_step()).await?;
+                    self.session.end_step();
+                }
+                outcome => {
+                    self.session.end_step();
+                    return outcome;
+                }
+            }
+        }
+        unreachable!("the second attempt returns")
+    }
+
+    /// The transaction's connection.
+    pub(crate) fn connection(&mut self) -> &mut DB::Connection {
+        self.session.get()
+    }
+
+    /// Commits, if the transaction is still the one the inbox began and nothing in it failed;
+    /// otherwise rolls back what is open and says why. On `Err` the outcome is unknown and the
+    /// connection is closed.
+    pub(crate) async fn commit(mut self) -> Committed<DB> {
+        let conn = self.session.start_step();
+        let ending = DB::commit(conn, &self.watch).await;
+        match ending {
+            Ok(ending) => {
+                self.session.end_step();
+                Ok((ending, self.release()))
+            }
+            Err(error) => {
+                self.session.discard();
+                Err(error)
+            }
+        }
+    }
+
+    /// Rolls back. When that fails, the connection is closed, and the server rolls back as the
+    /// session ends.
+    pub(crate) async fn rollback(mut self) -> Result<Session<DB>, sqlx::Error> {
+        self.end_in_rollback().await?;
+        Ok(self.release())
+    }
+
+    /// Rolls back, and closes the connection whatever happens: a handler's error said the
+    /// connection cannot be trusted.
+    pub(crate) async fn rollback_and_close(mut self) {
+        self.session.discard();
+        let conn = self.session.get();
+        let _ = DB::rollback(conn, &self.watch).await;
+    }
+
+    async fn end_in_rollback(&mut self) -> Result<(), sqlx::Error> {
+        let conn = self.session.start_step();
+        if let Err(error) = DB::rollback(conn, &self.watch).await {
+            tracing::warn!(%error, "rollback failed; the connection is closed");
+            self.session.discard();
+            return Err(error);
+        }
+        self.session.end_step();
+        Ok(())
+    }
+
+    /// The session, once the transaction has ended. (Dropped instead, the transaction leaves what
+    /// is still open to the session's drop, after its watch.)
+    fn release(self) -> Session<DB> {
+        self.session
     }
 }
 
-impl<DB: Backend> Drop for InboxTransaction<DB> {
-    fn drop(&mut self) {
-        if let Some(conn) = &mut self.conn
-            && <DB as Database>::TransactionManager::get_transaction_depth(conn) > 0
-        {
-            // Sent before the connection's next use, which is the pool's check when it comes back.
-            <DB as Database>::TransactionManager::start_rollback(conn);
-        }
-    }
+/// How a pipelined claim went wrong.
+enum Pipeline {
+    /// The backend does not send one, or the session cannot keep its prepared statement.
+    NotSent,
+    Failed(sqlx::Error),
 }
 
 /// Waits for a turn in the writers' queue, if there is one, for at most
@@ -155,53 +295,4 @@ async fn take_turn(writers: Option<&Arc<Semaphore>>) -> Option<OwnedSemaphorePer
         .await
         .ok()?
         .ok()
-}
-
-/// Begins a transaction on `conn` with the backend's `BEGIN` and sqlx's depth tracking.
-pub(crate) async fn begin<DB: Backend>(conn: &mut DB::Connection) -> Result<(), sqlx::Error> {
-    let statement = AssertSqlSafe(DB::DIALECT.begin).into_sql_str();
-    <DB as Database>::TransactionManager::begin(conn, Some(statement)).await
-}
-
-/// Why a claim's transaction could not begin: no connection from the pool, or the statements
-/// that begin it and claim the key failed.
-pub(crate) enum BeginError {
-    Acquire(sqlx::Error),
-    Claim(sqlx::Error),
-}
-
-/// A connection taking a step whose outcome on the server is unknown until it completes: closed if
-/// dropped before [`landed`](Self::landed).
-struct InFlight<DB: Database>(Option<PoolConnection<DB>>);
-
-impl<DB: Database> InFlight<DB> {
-    /// The connection its worker keeps, if any; else one from the pool.
-    async fn acquire(with: Resources<'_, DB>) -> Result<Self, sqlx::Error> {
-        let kept = with.kept.and_then(|home| {
-            home.lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner())
-                .take()
-        });
-        let conn = match kept {
-            Some(conn) => conn,
-            None => with.pool.acquire().await?,
-        };
-        Ok(Self(Some(conn)))
-    }
-
-    fn get(&mut self) -> &mut PoolConnection<DB> {
-        self.0.as_mut().expect("taken only by landed")
-    }
-
-    fn landed(mut self) -> PoolConnection<DB> {
-        self.0.take().expect("taken only by landed")
-    }
-}
-
-impl<DB: Database> Drop for InFlight<DB> {
-    fn drop(&mut self) {
-        if let Some(conn) = &mut self.0 {
-            conn.close_on_drop();
-        }
-    }
 }

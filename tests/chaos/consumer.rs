@@ -19,15 +19,6 @@ pub enum ChaosError {
     Db(#[from] sqlx::Error),
 }
 
-impl ChaosError {
-    fn is_retryable(&self) -> bool {
-        match self {
-            ChaosError::Failed => false,
-            ChaosError::Db(e) => idempotent::is_retryable(e),
-        }
-    }
-}
-
 /// Writes one reply line and flushes it, so the broker sees it before anything else happens.
 pub fn reply(reply: Reply) {
     let mut out = std::io::stdout().lock();
@@ -162,10 +153,9 @@ pub async fn run(url: &str) {
                     });
                 }
                 Err(error) => {
-                    let retryable = match &error {
-                        Error::Handler(e) => e.is_retryable(),
-                        Error::Inbox(e) => e.is_retryable(),
-                    };
+                    // The outcome's own classification, whatever the handler's error type: a
+                    // database failure under the body is `Error::Transient`.
+                    let retryable = error.is_retryable();
                     if !retryable && !matches!(error, Error::Handler(ChaosError::Failed)) {
                         eprintln!("consumer: delivery {} failed: {error:?}", delivery.tag);
                     }

@@ -63,11 +63,11 @@ impl PgHarness {
 }
 
 impl PgHarness {
-    /// The same harness whose inboxes claim in a statement of their own.
-    pub fn with_separate_claim(self) -> Self {
+    /// The same harness whose inboxes send the claim in one message with its `BEGIN`.
+    pub fn with_pipelined_claim(self) -> Self {
         Self {
-            inbox: self.inbox.with_separate_claim(),
-            impatient: self.impatient.with_separate_claim(),
+            inbox: self.inbox.with_pipelined_claim(),
+            impatient: self.impatient.with_pipelined_claim(),
             ..self
         }
     }
@@ -110,7 +110,7 @@ impl Harness for PgHarness {
                 "SELECT COUNT(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
                  WHERE NOT l.granted AND a.application_name = $1
                    AND (a.query LIKE 'INSERT INTO \"idempotent_inbox\" %'
-                        OR a.query LIKE 'BEGIN; EXECUTE idempotent_claim_%')",
+                        OR a.query LIKE 'BEGIN;%EXECUTE idempotent_claim_%')",
             )
             .bind(&self.schema)
             .fetch_one(&self.pool)

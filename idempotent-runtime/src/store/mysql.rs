@@ -1,7 +1,9 @@
 //! The inbox on MySQL and MariaDB (InnoDB).
 //!
-//! The claim is `INSERT IGNORE` on the primary key, as the first statement of the handler's
-//! transaction; `rows_affected() == 1` means this call inserted the row. (sqlx sets
+//! The handler's transaction begins with `SET SESSION TRANSACTION READ ONLY; START TRANSACTION READ
+//! WRITE; SAVEPOINT idempotent_claim`, in one message. The claim is then `INSERT IGNORE` on the
+//! primary key, as the first statement of the transaction; `rows_affected() == 1` means this call
+//! inserted the row. (sqlx sets
 //! `CLIENT_FOUND_ROWS`, which is why `ON DUPLICATE KEY UPDATE` cannot tell a claim from a
 //! duplicate.) When another transaction has inserted the same key and not yet ended, InnoDB makes
 //! the insert wait for a lock on that index record: after a commit the insert is ignored (0 rows: a
@@ -22,37 +24,55 @@
 //! -- and `idempotent_inbox_calls` as on PostgreSQL, with binary names and LONGBLOB results
 //! ```
 //!
+//! Why the session is read-only around the transaction: InnoDB rolls back the *whole* transaction
+//! on a deadlock (1213, and on Galera a brute-force abort), and some statements commit it
+//! implicitly (`BEGIN`, `CREATE TABLE`, `TRUNCATE`, …). A body that ignores such an error, or runs
+//! such a statement, would otherwise go on writing in autocommit mode, each write committed on its
+//! own, without the key. With the session read-only, those writes fail (error 1792) instead. The
+//! savepoint marks the transaction: the commit is `RELEASE SAVEPOINT idempotent_claim; COMMIT; SET
+//! SESSION TRANSACTION READ WRITE` in one message, and the release fails when the transaction is
+//! not the one the inbox began, so that it is rolled back and reported, never counted as processed.
+//! Every end of the transaction sets the session back to read-write.
+//!
 //! Only one instance purges a table at a time: the purger holds a `GET_LOCK` named after the
-//! database and the table while it runs.
+//! database and the table while it runs (closing its session if the purge is dropped half-way, as
+//! `GET_LOCK` is held by the session and is re-entrant).
 //!
 //! Both columns of the key are binary, so they compare byte by byte: no collation folds case or
 //! trailing spaces. Stored keys are at most 64 bytes (see [`key`](crate::key)), consumer names at
 //! most 200, so `INSERT IGNORE` never truncates one.
 
-use sqlx::mysql::MySqlConnection;
-use sqlx::{MySql, MySqlPool};
+use sqlx::mysql::{MySqlConnection, MySqlDatabaseError, MySqlTransactionManager};
+use sqlx::{AssertSqlSafe, Executor, MySql, MySqlPool};
+use sqlx_core::transaction::TransactionManager;
 
-use super::{
-    Backend, Dialect, HandlerConnection, PurgeLock, Sealed, Statements, end_purge_session, run_all,
-    shared_queries,
-};
+use super::{Backend, Dialect, Ending, HandlerConnection, Statements, Store};
+use crate::error::Fault;
 use crate::table::TableName;
 
-impl Sealed for MySql {}
+/// The purger's lock name, given the table name: named after the database and the table, hashed
+/// to fit MySQL's 64 characters.
+const PURGE_LOCK_NAME: &str =
+    "CONCAT('idempotent_purge_', LEFT(SHA1(CONCAT(DATABASE(), '.', ?)), 40))";
+
+/// Commits the transaction if it is still the one the inbox began, and sets the session back.
+const COMMIT: &str =
+    "RELEASE SAVEPOINT idempotent_claim; COMMIT; SET SESSION TRANSACTION READ WRITE";
+
+/// Rolls back whatever is open, and sets the session back.
+const ROLLBACK: &str = "ROLLBACK; SET SESSION TRANSACTION READ WRITE";
+
+/// `SAVEPOINT … does not exist`: the transaction is not the one that set it.
+const ER_SP_DOES_NOT_EXIST: u16 = 1305;
 
 impl HandlerConnection for MySqlConnection {
     type Backend = MySql;
 }
 
-/// The purger's lock name, given the table name: named after the database and the table, hashed
-/// to fit MySQL's 64 characters.
-#[doc(hidden)]
-pub const PURGE_LOCK_NAME: &str =
-    "CONCAT('idempotent_purge_', LEFT(SHA1(CONCAT(DATABASE(), '.', ?)), 40))";
+impl Backend for MySql {}
 
-impl Backend for MySql {
+impl Store for MySql {
     const DIALECT: Dialect = Dialect {
-        begin: "BEGIN",
         quote: '`',
         question_marks: true,
         insert_ignore: "INSERT IGNORE INTO",
@@ -63,39 +83,83 @@ impl Backend for MySql {
         delete_limit: true,
     };
 
+    const REFUSES_LATER_WRITES: bool = true;
+
+    const BEGIN: &'static str = "SET SESSION TRANSACTION READ ONLY; START TRANSACTION READ WRITE; \
+         SAVEPOINT idempotent_claim";
+
+    type Settings = ();
+    type Watch = ();
+
+    async fn watch(_conn: &mut MySqlConnection) -> Result<(), sqlx::Error> {
+        Ok(())
+    }
+
+    async fn commit(conn: &mut MySqlConnection, _watch: &()) -> Result<Ending, sqlx::Error> {
+        let committed = conn.execute(COMMIT).await;
+        let error = match committed {
+            Ok(_) => {
+                forget_transaction(conn);
+                return Ok(Ending::Committed);
+            }
+            Err(error) => error,
+        };
+        let ending = match error.as_database_error() {
+            None => return Err(error),
+            Some(database) => match database.try_downcast_ref::<MySqlDatabaseError>() {
+                Some(mysql) if mysql.number() == ER_SP_DOES_NOT_EXIST => Ending::Replaced,
+                // The server answered the `COMMIT` (a Galera certification conflict): it is not
+                // committed.
+                _ => Ending::Refused(error),
+            },
+        };
+        end(conn).await?;
+        Ok(ending)
+    }
+
+    async fn rollback(conn: &mut MySqlConnection, _watch: &()) -> Result<(), sqlx::Error> {
+        end(conn).await
+    }
+
+    fn fault(error: &dyn sqlx::error::DatabaseError) -> Option<Fault> {
+        let error = error.try_downcast_ref::<MySqlDatabaseError>()?;
+        Some(fault_of_error(error.number(), error.code()))
+    }
+
     async fn migrate(pool: &MySqlPool, table: &TableName) -> Result<(), sqlx::Error> {
         let t = table.quoted('`');
         let index = table.quoted_suffixed("processed_at", '`');
         let calls = table.quoted_suffixed("calls", '`');
         let mut connection = pool.acquire().await?;
-        run_all!(
-            connection,
-            [
-                format!(
-                    "CREATE TABLE IF NOT EXISTS {t} (
-                        consumer     VARBINARY(200) NOT NULL,
-                        message_key  VARBINARY(255) NOT NULL,
-                        processed_at DATETIME(6)    NOT NULL,
-                        response     LONGBLOB,
-                        fingerprint  VARBINARY(64),
-                        PRIMARY KEY (consumer, message_key),
-                        INDEX {index} (processed_at)
-                    ) ENGINE = InnoDB"
-                ),
-                format!(
-                    "CREATE TABLE IF NOT EXISTS {calls} (
-                        consumer    VARBINARY(200) NOT NULL,
-                        message_key VARBINARY(255) NOT NULL,
-                        call_name   VARBINARY(200) NOT NULL,
-                        fence       BIGINT         NOT NULL,
-                        lease_until BIGINT         NOT NULL,
-                        completed   BOOLEAN        NOT NULL,
-                        result      LONGBLOB,
-                        PRIMARY KEY (consumer, message_key, call_name)
-                    ) ENGINE = InnoDB"
-                ),
-            ]
-        );
+        for statement in [
+            format!(
+                "CREATE TABLE IF NOT EXISTS {t} (
+                    consumer     VARBINARY(200) NOT NULL,
+                    message_key  VARBINARY(255) NOT NULL,
+                    processed_at DATETIME(6)    NOT NULL,
+                    response     LONGBLOB,
+                    fingerprint  VARBINARY(64),
+                    PRIMARY KEY (consumer, message_key),
+                    INDEX {index} (processed_at)
+                ) ENGINE = InnoDB"
+            ),
+            format!(
+                "CREATE TABLE IF NOT EXISTS {calls} (
+                    consumer    VARBINARY(200) NOT NULL,
+                    message_key VARBINARY(255) NOT NULL,
+                    call_name   VARBINARY(200) NOT NULL,
+                    fence       BIGINT         NOT NULL,
+                    lease_until BIGINT         NOT NULL,
+                    completed   BOOLEAN        NOT NULL,
+                    result      LONGBLOB,
+                    PRIMARY KEY (consumer, message_key, call_name)
+                ) ENGINE = InnoDB"
+            ),
+        ] {
+            sqlx::query(AssertSqlSafe(statement))
+                .execute(&mut *connection)
+                .await?;
+        }
         Ok(())
     }
 
@@ -105,6 +169,7 @@ impl Backend for MySql {
         consumer: &str,
         keys: &[&[u8]],
     ) -> Result<Vec<Vec<u8>>, sqlx::Error> {
+        use super::Queries;
         // MySQL has no INSERT … RETURNING: one claim per key, in key order, in the transaction.
         let mut inserted = Vec::new();
         for key in keys {
@@ -116,59 +181,85 @@ impl Backend for MySql {
     }
 
     async fn try_lock_purge(
-        pool: &MySqlPool,
+        conn: &mut MySqlConnection,
         table: &TableName,
-    ) -> Result<Option<PurgeLock<MySql>>, sqlx::Error> {
-        let mut connection = pool.acquire().await?;
-        let locked: Option<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+    ) -> Result<bool, sqlx::Error> {
+        let locked: Option<i64> = sqlx::query_scalar(AssertSqlSafe(format!(
             "SELECT GET_LOCK({PURGE_LOCK_NAME}, 0)"
         )))
         .bind(table.as_str())
-        .fetch_one(&mut *connection)
+        .fetch_one(conn)
         .await?;
-        Ok((locked == Some(1)).then_some(PurgeLock {
-            connection: Some(connection),
-        }))
+        Ok(locked == Some(1))
     }
 
-    async fn unlock_purge(lock: PurgeLock<MySql>, table: &TableName) -> Result<(), sqlx::Error> {
-        if let Some(mut connection) = lock.connection {
-            let unlocked = sqlx::query(sqlx::AssertSqlSafe(format!(
-                "SELECT RELEASE_LOCK({PURGE_LOCK_NAME})"
-            )))
-            .bind(table.as_str())
-            .execute(&mut *connection)
-            .await;
-            return end_purge_session(connection, unlocked).await;
-        }
+    async fn unlock_purge(
+        conn: &mut MySqlConnection,
+        table: &TableName,
+    ) -> Result<(), sqlx::Error> {
+        sqlx::query(AssertSqlSafe(format!(
+            "SELECT RELEASE_LOCK({PURGE_LOCK_NAME})"
+        )))
+        .bind(table.as_str())
+        .execute(conn)
+        .await?;
         Ok(())
     }
-
-    shared_queries!(MySqlPool, MySqlConnection);
 }
 
-/// MySQL and MariaDB error numbers worth a retry: deadlock (1213), lock wait timeout (1205), too
-/// many connections (1040), server shutting down (1053), connection killed (1927, MariaDB), query
-/// interrupted (1317), and the client's lost-connection errors (2006, 2013).
-pub(crate) fn is_retryable_number(number: u16) -> bool {
-    matches!(
-        number,
-        1213 | 1205 | 1040 | 1053 | 1927 | 1317 | 2006 | 2013
-    )
+/// Rolls back whatever is open and sets the session back to read-write.
+async fn end(conn: &mut MySqlConnection) -> Result<(), sqlx::Error> {
+    conn.execute(ROLLBACK).await?;
+    forget_transaction(conn);
+    Ok(())
+}
+
+/// The transaction the inbox began has ended on the server, by a statement sent past sqlx's
+/// transaction manager: let the manager stop counting it. It queues a `ROLLBACK`, which finds no
+/// transaction (a no-op on MySQL) and goes out with the connection's next statement.
+fn forget_transaction(conn: &mut MySqlConnection) {
+    MySqlTransactionManager::start_rollback(conn);
+}
+
+/// What a MySQL or MariaDB error says about a retry: a deadlock (1213, also Galera's brute-force
+/// aborts and certification conflicts), a lock wait timeout (1205), too many connections (1040), an
+/// interrupted query (1317), a Galera node that is not (or no longer) part of its cluster's primary
+/// component (1047, SQLSTATE 08S01) and a serialization failure (SQLSTATE 40001) are transient; a
+/// server shutting down (1053), a killed connection (1927), a session closed for inactivity (4031),
+/// the client's lost-connection errors (2006, 2013) and every connection exception (SQLSTATE class
+/// 08 but 08S01) break the connection.
+fn fault_of_error(number: u16, sqlstate: Option<&str>) -> Fault {
+    match (number, sqlstate) {
+        (1213 | 1205 | 1040 | 1317 | 1047, _) | (_, Some("40001" | "08S01")) => Fault::Transient,
+        (1053 | 1927 | 4031 | 2006 | 2013, _) => Fault::Broken,
+        (_, Some(state)) if state.starts_with("08") => Fault::Broken,
+        _ => Fault::None,
+    }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::is_retryable_number;
+    use super::{Fault, fault_of_error};
 
     #[test]
-    fn deadlocks_and_lock_timeouts_are_retryable() {
-        for number in [1213, 1205, 2013] {
-            assert!(is_retryable_number(number), "{number}");
+    fn deadlocks_lock_timeouts_and_galera_conflicts_are_retryable() {
+        for (number, state) in [(1213, "40001"), (1205, "HY000"), (1047, "08S01")] {
+            assert_eq!(
+                fault_of_error(number, Some(state)),
+                Fault::Transient,
+                "{number}"
+            );
         }
-        // duplicate entry, no such table, syntax error
-        for number in [1062, 1146, 1064] {
-            assert!(!is_retryable_number(number), "{number}");
+        assert_eq!(fault_of_error(2013, Some("HY000")), Fault::Broken);
+        assert_eq!(fault_of_error(1927, Some("70100")), Fault::Broken);
+        // duplicate entry, no such table, syntax error, read-only transaction
+        for (number, state) in [
+            (1062, "23000"),
+            (1146, "42S02"),
+            (1064, "42000"),
+            (1792, "25006"),
+        ] {
+            assert_eq!(fault_of_error(number, Some(state)), Fault::None, "{number}");
         }
     }
 }

@@ -1,23 +1,29 @@
 //! The inbox on PostgreSQL.
 //!
-//! The claim is an `INSERT` on the primary key, sent in one message with the `BEGIN` of the
-//! handler's `READ COMMITTED` transaction, `BEGIN; EXECUTE idempotent_claim_…(…)`, so it costs no
-//! round trip of its own; the `INSERT` is a statement each session prepares once (with `PREPARE`,
-//! the first time a claim finds it missing), so it is not planned again for every message. When
-//! another transaction has inserted the same key and not yet ended, the insert waits for it on the
-//! index entry: after that transaction rolls back the insert goes ahead (ours to process), after it
-//! commits the insert fails with a unique violation, which is how the server reports a duplicate;
-//! the inbox then rolls back and returns `Duplicate`. There is no read before the write. The values
-//! travel as hex digits that the statement decodes (`decode('…', 'hex')`), so no byte of a key or a
-//! consumer name is ever spliced into SQL.
+//! The handler's `READ COMMITTED` transaction begins with `BEGIN` and marks itself with a
+//! transaction-local setting (`SET LOCAL idempotent.claim = 'on'`, in the same message). The claim
+//! is then `INSERT … ON CONFLICT DO NOTHING` on the primary key, a statement each session prepares
+//! once: no error for a duplicate, nothing in the server's log. When another transaction has
+//! inserted the same key and not yet ended, the insert waits for it on the index entry: after that
+//! transaction rolls back the insert goes ahead (ours to process), after it commits the insert does
+//! nothing (a duplicate). There is no read before the write.
 //!
-//! The server writes each such unique violation to its log (at `ERROR`, with the statement), and
-//! leaves a dead row version for `VACUUM`; a new session logs one `prepared statement does not
-//! exist` before it prepares the claim. Where that is unwelcome, or where a pooler in transaction
-//! mode (PgBouncer) does not keep a session's prepared statements,
-//! [`Inbox::with_separate_claim`](crate::Inbox::with_separate_claim) claims with
-//! `INSERT … ON CONFLICT DO NOTHING` in a statement of its own instead: no error for a duplicate,
-//! one round trip more per message.
+//! Before it commits, the inbox reads the mark back: the read fails when a statement of the body
+//! failed and the body carried on (PostgreSQL has aborted the transaction, and a `COMMIT` would
+//! quietly roll it back), and it finds no mark when the body ended the transaction itself
+//! (`COMMIT`, `ROLLBACK`) and perhaps began another. Either way the inbox rolls back what is open
+//! and reports it; it never reports such a message as processed. That read is one round trip.
+//!
+//! [`Inbox::with_pipelined_claim`](crate::Inbox::with_pipelined_claim) sends the claim in the same
+//! message as the `BEGIN` instead, `BEGIN; SET LOCAL …; EXECUTE idempotent_claim_…(…)`, which saves
+//! a round trip: a committed duplicate then makes that insert fail with a unique violation, which
+//! is how the inbox learns it. The price: the server writes each such unique violation to its log
+//! (at `ERROR`, with the statement, and so the key's hex), leaves a dead row version for `VACUUM`,
+//! and logs one `prepared statement does not exist` per new session before it prepares the claim.
+//! Behind a pooler in transaction mode (PgBouncer), which does not keep a session's prepared
+//! statements, it falls back to the quiet claim message by message. Its values travel as hex
+//! digits that the statement decodes (`decode('…', 'hex')`), so no byte of a key or a consumer name
+//! is ever spliced into SQL.
 //!
 //! ```sql
 //! CREATE TABLE "idempotent_inbox" (
@@ -42,56 +48,58 @@
 //! ```
 //!
 //! Only one instance purges a table at a time: the purger holds a session advisory lock on the
-//! table's OID while it runs.
+//! table's OID while it runs (closing its session if the purge is dropped half-way).
 
-use sqlx::pool::PoolConnection;
-use sqlx::postgres::{PgConnection, PgTransactionManager};
-use sqlx::{AssertSqlSafe, Executor, PgPool, Postgres, SqlSafeStr};
+use sha2::{Digest, Sha256};
+use sqlx::postgres::{PgConnection, PgDatabaseError, PgTransactionManager};
+use sqlx::{AssertSqlSafe, Executor, PgPool, Postgres};
 use sqlx_core::transaction::TransactionManager;
 
-use super::{
-    Backend, Dialect, HandlerConnection, PurgeLock, Sealed, Statements, begin_then_claim,
-    end_purge_session, run_all, shared_queries,
-};
-use sha2::{Digest, Sha256};
-
+use super::{Backend, Dialect, Ending, HandlerConnection, Statements, Store};
+use crate::error::Fault;
 use crate::key::hex;
 use crate::table::TableName;
 
 /// Serializes concurrent `migrate()` calls, whose `CREATE … IF NOT EXISTS` can otherwise race.
 const MIGRATE_LOCK: i64 = 0x1de4_7e47_0001;
 
-impl Sealed for Postgres {}
+/// The purger's advisory lock, given the quoted table name: the pair (a constant, the table's
+/// OID), so that tables of the same name in different schemas purge independently.
+const PURGE_LOCK_KEY: &str = "1768453, coalesce(to_regclass($1)::oid::int, 0)";
+
+/// The mark a transaction of the inbox sets on itself, and reads back before it commits.
+const MARK: &str = "idempotent.claim";
 
 impl HandlerConnection for PgConnection {
     type Backend = Postgres;
 }
 
-/// The purger's advisory lock, given the quoted table name: the pair (a constant, the table's
-/// OID), so that tables of the same name in different schemas purge independently.
-#[doc(hidden)]
-pub const PURGE_LOCK_KEY: &str = "1768453, coalesce(to_regclass($1)::oid::int, 0)";
+mod settings {
+    /// How a PostgreSQL inbox claims; see the [module docs](super).
+    #[derive(Debug, Clone, Default)]
+    pub struct PgSettings {
+        pub pipelined: bool,
+    }
+}
+use settings::PgSettings;
 
 impl crate::Inbox<Postgres> {
-    /// The same inbox, claiming with `INSERT … ON CONFLICT DO NOTHING` in a statement of its own
-    /// after `BEGIN`, rather than in one message with it: a duplicate is then no error on the
-    /// server (nothing in its log, no dead row version), at the cost of one round trip more per
-    /// message. Both wait for a concurrent claim of the same key in the same way.
-    pub fn with_separate_claim(self) -> Self {
-        let statements = Statements {
-            separate_claim: true,
-            ..(*self.statements).clone()
-        };
-        Self {
-            statements: std::sync::Arc::new(statements),
-            ..self
-        }
+    /// The same inbox, sending the claim in one message with its `BEGIN`: one round trip less per
+    /// message, at the price the [module docs](self) describe (a committed duplicate is reported by
+    /// the server as a unique violation, which it logs at `ERROR` with the statement, and leaves a
+    /// dead row version). Both claims wait for a concurrent claim of the same key in the same way.
+    pub fn with_pipelined_claim(self) -> Self {
+        self.with_settings(|settings| PgSettings {
+            pipelined: true,
+            ..settings.clone()
+        })
     }
 }
 
-impl Backend for Postgres {
+impl Backend for Postgres {}
+
+impl Store for Postgres {
     const DIALECT: Dialect = Dialect {
-        begin: "BEGIN",
         quote: '"',
         question_marks: false,
         insert_ignore: "INSERT INTO",
@@ -102,33 +110,79 @@ impl Backend for Postgres {
         delete_limit: false,
     };
 
-    async fn begin_claim(
-        conn: &mut PoolConnection<Postgres>,
+    const BEGIN: &'static str = "BEGIN; SET LOCAL idempotent.claim = 'on'";
+
+    type Settings = PgSettings;
+    type Watch = ();
+
+    async fn watch(_conn: &mut PgConnection) -> Result<(), sqlx::Error> {
+        Ok(())
+    }
+
+    fn pipelined_claim(
+        settings: &PgSettings,
         statements: &Statements,
         consumer: &str,
         key: &[u8],
         fingerprint: Option<&[u8]>,
-    ) -> Result<bool, sqlx::Error> {
-        if statements.separate_claim {
-            return begin_then_claim(conn, statements, consumer, key, fingerprint).await;
-        }
-        let claim = statements
-            .prepared_claim
-            .get_or_init(|| PreparedClaim::new(statements));
-        let begin = claim.begin(consumer, key, fingerprint);
-        match begin_with(conn, &begin).await {
-            Err(error) if is_missing_statement(&error) => {}
-            outcome => return outcome,
-        }
-        // This session has not prepared the claim: a new connection, or a `DEALLOCATE`.
-        conn.execute(AssertSqlSafe(claim.prepare.clone())).await?;
-        match begin_with(conn, &begin).await {
-            // Still missing: a pooler in transaction mode moved us to another session.
-            Err(error) if is_missing_statement(&error) => {
-                begin_then_claim(conn, statements, consumer, key, fingerprint).await
+    ) -> Option<String> {
+        settings.pipelined.then(|| {
+            let fingerprint = fingerprint.map_or_else(
+                || "NULL".to_owned(),
+                |fingerprint| format!("decode('{}', 'hex')", hex(fingerprint)),
+            );
+            format!(
+                "{}; EXECUTE {}(convert_from(decode('{}', 'hex'), 'UTF8'), decode('{}', 'hex'), {fingerprint})",
+                Self::BEGIN,
+                PreparedClaim::new(statements).name,
+                hex(consumer.as_bytes()),
+                hex(key),
+            )
+        })
+    }
+
+    async fn prepare_pipelined_claim(
+        conn: &mut PgConnection,
+        _settings: &PgSettings,
+        statements: &Statements,
+    ) -> Result<(), sqlx::Error> {
+        let prepare = PreparedClaim::new(statements).prepare;
+        conn.execute(AssertSqlSafe(prepare)).await?;
+        Ok(())
+    }
+
+    async fn commit(conn: &mut PgConnection, _watch: &()) -> Result<Ending, sqlx::Error> {
+        let mark: Result<Option<String>, _> =
+            sqlx::query_scalar("SELECT current_setting($1, true)")
+                .bind(MARK)
+                .fetch_one(&mut *conn)
+                .await;
+        let ending = match mark {
+            Ok(Some(mark)) if mark == "on" => {
+                PgTransactionManager::commit(conn).await?;
+                return Ok(Ending::Committed);
             }
-            outcome => outcome,
-        }
+            Ok(_) => Ending::Replaced,
+            Err(error) if sqlstate(&error) == Some("25P02") => Ending::Aborted,
+            Err(error) => return Err(error),
+        };
+        // Ends what is open: the aborted transaction, one the body began, or (if nothing is open)
+        // only sqlx's count of it.
+        PgTransactionManager::rollback(conn).await?;
+        Ok(ending)
+    }
+
+    async fn rollback(conn: &mut PgConnection, _watch: &()) -> Result<(), sqlx::Error> {
+        PgTransactionManager::rollback(conn).await
+    }
+
+    fn fault(error: &dyn sqlx::error::DatabaseError) -> Option<Fault> {
+        let error = error.try_downcast_ref::<PgDatabaseError>()?;
+        Some(fault_of_code(error.code()))
+    }
+
+    fn lost_statement(error: &sqlx::Error) -> bool {
+        sqlstate(error) == Some("26000")
     }
 
     async fn migrate(pool: &PgPool, table: &TableName) -> Result<(), sqlx::Error> {
@@ -140,34 +194,35 @@ impl Backend for Postgres {
             .bind(MIGRATE_LOCK)
             .execute(&mut *tx)
             .await?;
-        run_all!(
-            tx,
-            [
-                format!(
-                    "CREATE TABLE IF NOT EXISTS {t} (
-                        consumer     TEXT        NOT NULL,
-                        message_key  BYTEA       NOT NULL,
-                        processed_at TIMESTAMPTZ NOT NULL DEFAULT now(),
-                        response     BYTEA,
-                        fingerprint  BYTEA,
-                        PRIMARY KEY (consumer, message_key)
-                    )"
-                ),
-                format!("CREATE INDEX IF NOT EXISTS {index} ON {t} (processed_at)"),
-                format!(
-                    "CREATE TABLE IF NOT EXISTS {calls} (
-                        consumer    TEXT    NOT NULL,
-                        message_key BYTEA   NOT NULL,
-                        call_name   TEXT    NOT NULL,
-                        fence       BIGINT  NOT NULL,
-                        lease_until BIGINT  NOT NULL,
-                        completed   BOOLEAN NOT NULL,
-                        result      BYTEA,
-                        PRIMARY KEY (consumer, message_key, call_name)
-                    )"
-                ),
-            ]
-        );
+        for statement in [
+            format!(
+                "CREATE TABLE IF NOT EXISTS {t} (
+                    consumer     TEXT        NOT NULL,
+                    message_key  BYTEA       NOT NULL,
+                    processed_at TIMESTAMPTZ NOT NULL DEFAULT now(),
+                    response     BYTEA,
+                    fingerprint  BYTEA,
+                    PRIMARY KEY (consumer, message_key)
+                )"
+            ),
+            format!("CREATE INDEX IF NOT EXISTS {index} ON {t} (processed_at)"),
+            format!(
+                "CREATE TABLE IF NOT EXISTS {calls} (
+                    consumer    TEXT    NOT NULL,
+                    message_key BYTEA   NOT NULL,
+                    call_name   TEXT    NOT NULL,
+                    fence       BIGINT  NOT NULL,
+                    lease_until BIGINT  NOT NULL,
+                    completed   BOOLEAN NOT NULL,
+                    result      BYTEA,
+                    PRIMARY KEY (consumer, message_key, call_name)
+                )"
+            ),
+        ] {
+            sqlx::query(AssertSqlSafe(statement))
+                .execute(&mut *tx)
+                .await?;
+        }
         tx.commit().await
     }
 
@@ -178,7 +233,7 @@ impl Backend for Postgres {
         keys: &[&[u8]],
     ) -> Result<Vec<Vec<u8>>, sqlx::Error> {
         let keys: Vec<Vec<u8>> = keys.iter().map(|k| k.to_vec()).collect();
-        sqlx::query_scalar(sqlx::AssertSqlSafe(statements.table_sql(
+        sqlx::query_scalar(AssertSqlSafe(statements.table_sql(
             "INSERT INTO {t} (consumer, message_key) \
              SELECT $1, k FROM unnest($2::bytea[]) AS u(k) ORDER BY k \
              ON CONFLICT DO NOTHING RETURNING message_key",
@@ -190,41 +245,31 @@ impl Backend for Postgres {
     }
 
     async fn try_lock_purge(
-        pool: &PgPool,
+        conn: &mut PgConnection,
         table: &TableName,
-    ) -> Result<Option<PurgeLock<Postgres>>, sqlx::Error> {
-        let mut connection = pool.acquire().await?;
-        let locked: bool = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+    ) -> Result<bool, sqlx::Error> {
+        sqlx::query_scalar(AssertSqlSafe(format!(
             "SELECT pg_try_advisory_lock({PURGE_LOCK_KEY})"
         )))
         .bind(table.quoted('"'))
-        .fetch_one(&mut *connection)
-        .await?;
-        Ok(locked.then_some(PurgeLock {
-            connection: Some(connection),
-        }))
+        .fetch_one(conn)
+        .await
     }
 
-    async fn unlock_purge(lock: PurgeLock<Postgres>, table: &TableName) -> Result<(), sqlx::Error> {
-        if let Some(mut connection) = lock.connection {
-            let unlocked = sqlx::query(sqlx::AssertSqlSafe(format!(
-                "SELECT pg_advisory_unlock({PURGE_LOCK_KEY})"
-            )))
-            .bind(table.quoted('"'))
-            .execute(&mut *connection)
-            .await;
-            return end_purge_session(connection, unlocked).await;
-        }
+    async fn unlock_purge(conn: &mut PgConnection, table: &TableName) -> Result<(), sqlx::Error> {
+        sqlx::query(AssertSqlSafe(format!(
+            "SELECT pg_advisory_unlock({PURGE_LOCK_KEY})"
+        )))
+        .bind(table.quoted('"'))
+        .execute(conn)
+        .await?;
         Ok(())
     }
-
-    shared_queries!(PgPool, PgConnection);
 }
 
-/// The claim as a statement a session prepares: `PREPARE idempotent_claim_…` and its name, the
-/// same for every session using one table (the name has a digest of the table's).
-#[derive(Debug, Clone)]
-pub(crate) struct PreparedClaim {
+/// The pipelined claim as a statement a session prepares: `PREPARE idempotent_claim_…` and its
+/// name, the same for every session using one table (the name has a digest of the statement).
+struct PreparedClaim {
     name: String,
     prepare: String,
 }
@@ -237,71 +282,43 @@ impl PreparedClaim {
         let prepare = format!("PREPARE {name} (text, bytea, bytea) AS {insert}");
         Self { name, prepare }
     }
-
-    /// `BEGIN; EXECUTE …` claiming `(consumer, key, fingerprint)`, every value as hex digits.
-    fn begin(&self, consumer: &str, key: &[u8], fingerprint: Option<&[u8]>) -> String {
-        let fingerprint = fingerprint.map_or_else(
-            || "NULL".to_owned(),
-            |fingerprint| format!("decode('{}', 'hex')", hex(fingerprint)),
-        );
-        format!(
-            "BEGIN; EXECUTE {}(convert_from(decode('{}', 'hex'), 'UTF8'), decode('{}', 'hex'), {fingerprint})",
-            self.name,
-            hex(consumer.as_bytes()),
-            hex(key),
-        )
-    }
 }
 
-/// Sends `begin`, which begins the transaction and claims: `true` when the claim inserted the key
-/// (the transaction is open, at depth one), `false` when the key was there (rolled back).
-async fn begin_with(conn: &mut PoolConnection<Postgres>, begin: &str) -> Result<bool, sqlx::Error> {
-    let statement = AssertSqlSafe(begin.to_owned()).into_sql_str();
-    let Err(error) = PgTransactionManager::begin(conn, Some(statement)).await else {
-        return Ok(true);
-    };
-    // The claim failed in the transaction its message began, which is now aborted (or the `BEGIN`
-    // failed and there is none): end it before the connection is used again, or close it.
-    if conn.execute("ROLLBACK").await.is_err() {
-        conn.close_on_drop();
-    }
-    // A unique violation says another transaction committed the key, whatever became of ours.
-    match error.as_database_error() {
-        Some(database) if database.is_unique_violation() => Ok(false),
-        _ => Err(error),
-    }
-}
-
-/// Whether the server found no prepared statement of the name executed (SQLSTATE 26000).
-fn is_missing_statement(error: &sqlx::Error) -> bool {
+/// The SQLSTATE of a database error.
+fn sqlstate(error: &sqlx::Error) -> Option<&str> {
     error
         .as_database_error()
-        .and_then(|error| error.code())
-        .is_some_and(|code| code == "26000")
+        .and_then(|error| error.try_downcast_ref::<PgDatabaseError>())
+        .map(PgDatabaseError::code)
 }
 
-/// SQLSTATEs worth a retry: serialization failure, deadlock, lock not available, the server
-/// shutting down or starting up, too many connections, and every connection exception (class 08).
-pub(crate) fn is_retryable_code(code: &str) -> bool {
-    matches!(
-        code,
-        "40001" | "40P01" | "55P03" | "57P01" | "57P02" | "57P03" | "53300"
-    ) || code.starts_with("08")
+/// What a SQLSTATE says about a retry: serialization failure, deadlock, lock not available, a
+/// statement timeout, too many connections and the server starting up are transient; the server
+/// shutting down, every connection exception (class 08) and a lost prepared statement (26000, which
+/// sqlx's statement cache cannot recover from) break the connection.
+fn fault_of_code(code: &str) -> Fault {
+    match code {
+        "40001" | "40P01" | "55P03" | "57014" | "57P03" | "53300" => Fault::Transient,
+        "57P01" | "57P02" | "26000" => Fault::Broken,
+        _ if code.starts_with("08") => Fault::Broken,
+        _ => Fault::None,
+    }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::is_retryable_code;
+    use super::{Fault, fault_of_code};
 
     #[test]
     fn transient_sqlstates_are_retryable() {
-        for code in [
-            "40001", "40P01", "55P03", "57P01", "08006", "08003", "53300",
-        ] {
-            assert!(is_retryable_code(code), "{code}");
+        for code in ["40001", "40P01", "55P03", "57014", "53300"] {
+            assert_eq!(fault_of_code(code), Fault::Transient, "{code}");
         }
-        for code in ["23505", "42P01", "22P02", "42501"] {
-            assert!(!is_retryable_code(code), "{code}");
+        for code in ["57P01", "08006", "08003", "26000"] {
+            assert_eq!(fault_of_code(code), Fault::Broken, "{code}");
+        }
+        for code in ["23505", "42P01", "22P02", "42501", "25P02"] {
+            assert_eq!(fault_of_code(code), Fault::None, "{code}");
         }
     }
 }

@@ -11,6 +11,14 @@
 //! goes on to the database's lock (so that a handler that calls another on the same inbox fails
 //! with a retryable busy error, as it would without the queue, rather than wait for ever).
 //!
+//! While the transaction is open, the connection's commit hook refuses every commit but the
+//! inbox's own, and its rollback hook notes any rollback. So a body that runs `COMMIT` or
+//! `ROLLBACK` itself, or whose transaction SQLite rolls back after an error (a full disk), cannot
+//! commit anything without the key (its later writes, each of which would otherwise commit on its
+//! own, fail with `SQLITE_CONSTRAINT_COMMITHOOK`), and the inbox reports the transaction as ended
+//! rather than processed. The hooks are the connection's only ones: do not install your own on a
+//! connection the inbox uses.
+//!
 //! ```sql
 //! CREATE TABLE "idempotent_inbox" (
 //!     consumer     TEXT    NOT NULL,
@@ -25,16 +33,19 @@
 //! ```
 
 use std::str::FromStr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
-use sqlx::sqlite::{SqliteConnectOptions, SqliteConnection, SqliteJournalMode};
-use sqlx::{Sqlite, SqlitePool};
-
-use super::{
-    Backend, Dialect, HandlerConnection, PurgeLock, Sealed, Statements, run_all, shared_queries,
+use sqlx::sqlite::{
+    SqliteConnectOptions, SqliteConnection, SqliteError, SqliteJournalMode,
+    SqliteTransactionManager,
 };
-use crate::table::TableName;
+use sqlx::{AssertSqlSafe, Executor, Sqlite, SqlitePool};
+use sqlx_core::transaction::TransactionManager;
 
-impl Sealed for Sqlite {}
+use super::{Backend, Dialect, Ending, HandlerConnection, Statements, Store};
+use crate::error::Fault;
+use crate::table::TableName;
 
 impl HandlerConnection for SqliteConnection {
     type Backend = Sqlite;
@@ -59,7 +70,10 @@ impl crate::Inbox<Sqlite> {
     /// handlers (those taking `&mut sqlx::SqliteConnection`): create your tables on
     /// [`pool()`](crate::Inbox::pool) and call the handlers with it. The database has one
     /// connection, so concurrent calls take turns (one that waits more than 5 seconds for it fails
-    /// with a retryable pool timeout), and it is gone when the last clone is dropped.
+    /// with a retryable pool timeout), and it is gone when the last clone is dropped. A worker's
+    /// inbox ([`for_worker`](crate::Inbox::for_worker)) keeps that connection between its
+    /// messages, and the inbox's own reads use it too, but your queries on the pool wait until the
+    /// worker's inbox is dropped.
     /// It behaves like the file-based inbox (the conformance suite runs on it), but it proves
     /// nothing about your production database.
     ///
@@ -79,18 +93,47 @@ impl crate::Inbox<Sqlite> {
             .acquire_timeout(std::time::Duration::from_secs(5))
             .connect("sqlite::memory:")
             .await
-            .map_err(crate::InboxError::database(crate::Stage::Migrate))?;
+            .map_err(super::database_error(crate::Stage::Migrate))?;
         let inbox = Self::new(pool);
         inbox.migrate().await?;
         Ok(inbox)
     }
 }
 
-impl Backend for Sqlite {
+mod watch {
+    use super::*;
+
+    /// What the connection's hooks know of the inbox's transaction.
+    #[derive(Debug, Default)]
+    pub struct Hooks {
+        /// The inbox's transaction is open: refuse every commit but its own.
+        pub open: AtomicBool,
+        /// The inbox itself is committing.
+        pub committing: AtomicBool,
+        /// A rollback happened while the transaction was open.
+        pub rolled_back: AtomicBool,
+    }
+
+    /// Watches one transaction of the inbox through the connection's hooks; stops when dropped.
+    #[derive(Debug)]
+    pub struct Watch(pub Arc<Hooks>);
+
+    impl Drop for Watch {
+        fn drop(&mut self) {
+            self.0.open.store(false, Ordering::SeqCst);
+        }
+    }
+}
+use watch::{Hooks, Watch};
+
+impl Backend for Sqlite {}
+
+impl Store for Sqlite {
     const ONE_WRITER: bool = true;
+    const CANCEL_SAFE: bool = true;
+    const PURGE_LOCK: bool = false;
 
     const DIALECT: Dialect = Dialect {
-        begin: "BEGIN IMMEDIATE",
         quote: '"',
         question_marks: false,
         insert_ignore: "INSERT OR IGNORE INTO",
@@ -101,39 +144,101 @@ impl Backend for Sqlite {
         delete_limit: false,
     };
 
+    const REFUSES_LATER_WRITES: bool = true;
+
+    const BEGIN: &'static str = "BEGIN IMMEDIATE";
+
+    type Settings = ();
+    type Watch = Watch;
+
+    async fn watch(conn: &mut SqliteConnection) -> Result<Watch, sqlx::Error> {
+        let hooks = Arc::new(Hooks {
+            open: AtomicBool::new(true),
+            ..Hooks::default()
+        });
+        let mut handle = conn.lock_handle().await?;
+        let on_commit = hooks.clone();
+        handle.set_commit_hook(move || {
+            !on_commit.open.load(Ordering::SeqCst) || on_commit.committing.load(Ordering::SeqCst)
+        });
+        let on_rollback = hooks.clone();
+        handle.set_rollback_hook(move || {
+            if on_rollback.open.load(Ordering::SeqCst) {
+                on_rollback.rolled_back.store(true, Ordering::SeqCst);
+            }
+        });
+        Ok(Watch(hooks))
+    }
+
+    async fn commit(conn: &mut SqliteConnection, watch: &Watch) -> Result<Ending, sqlx::Error> {
+        let hooks = &watch.0;
+        if hooks.rolled_back.load(Ordering::SeqCst) {
+            resync(conn).await?;
+            return Ok(Ending::Replaced);
+        }
+        hooks.committing.store(true, Ordering::SeqCst);
+        let committed = SqliteTransactionManager::commit(conn).await;
+        hooks.committing.store(false, Ordering::SeqCst);
+        match committed {
+            Ok(()) => Ok(Ending::Committed),
+            // A failed commit commits nothing; what is left open (if anything) is rolled back.
+            Err(error) => {
+                resync(conn).await?;
+                Ok(Ending::Refused(error))
+            }
+        }
+    }
+
+    async fn rollback(conn: &mut SqliteConnection, watch: &Watch) -> Result<(), sqlx::Error> {
+        if watch.0.rolled_back.load(Ordering::SeqCst) {
+            return resync(conn).await;
+        }
+        SqliteTransactionManager::rollback(conn).await
+    }
+
+    fn fault(error: &dyn sqlx::error::DatabaseError) -> Option<Fault> {
+        error.try_downcast_ref::<SqliteError>()?;
+        Some(
+            error
+                .code()
+                .map_or(Fault::None, |code| fault_of_code(&code)),
+        )
+    }
+
     async fn migrate(pool: &SqlitePool, table: &TableName) -> Result<(), sqlx::Error> {
         let t = table.quoted('"');
         let index = table.quoted_suffixed("processed_at", '"');
         let calls = table.quoted_suffixed("calls", '"');
         let mut tx = pool.begin_with("BEGIN IMMEDIATE").await?;
-        run_all!(
-            tx,
-            [
-                format!(
-                    "CREATE TABLE IF NOT EXISTS {t} (
-                        consumer     TEXT    NOT NULL,
-                        message_key  BLOB    NOT NULL,
-                        processed_at INTEGER NOT NULL,
-                        response     BLOB,
-                        fingerprint  BLOB,
-                        PRIMARY KEY (consumer, message_key)
-                    ) WITHOUT ROWID"
-                ),
-                format!("CREATE INDEX IF NOT EXISTS {index} ON {t} (processed_at)"),
-                format!(
-                    "CREATE TABLE IF NOT EXISTS {calls} (
-                        consumer    TEXT    NOT NULL,
-                        message_key BLOB    NOT NULL,
-                        call_name   TEXT    NOT NULL,
-                        fence       INTEGER NOT NULL,
-                        lease_until INTEGER NOT NULL,
-                        completed   BOOLEAN NOT NULL,
-                        result      BLOB,
-                        PRIMARY KEY (consumer, message_key, call_name)
-                    ) WITHOUT ROWID"
-                ),
-            ]
-        );
+        for statement in [
+            format!(
+                "CREATE TABLE IF NOT EXISTS {t} (
+                    consumer     TEXT    NOT NULL,
+                    message_key  BLOB    NOT NULL,
+                    processed_at INTEGER NOT NULL,
+                    response     BLOB,
+                    fingerprint  BLOB,
+                    PRIMARY KEY (consumer, message_key)
+                ) WITHOUT ROWID"
+            ),
+            format!("CREATE INDEX IF NOT EXISTS {index} ON {t} (processed_at)"),
+            format!(
+                "CREATE TABLE IF NOT EXISTS {calls} (
+                    consumer    TEXT    NOT NULL,
+                    message_key BLOB    NOT NULL,
+                    call_name   TEXT    NOT NULL,
+                    fence       INTEGER NOT NULL,
+                    lease_until INTEGER NOT NULL,
+                    completed   BOOLEAN NOT NULL,
+                    result      BLOB,
+                    PRIMARY KEY (consumer, message_key, call_name)
+                ) WITHOUT ROWID"
+            ),
+        ] {
+            sqlx::query(AssertSqlSafe(statement))
+                .execute(&mut *tx)
+                .await?;
+        }
         tx.commit().await
     }
 
@@ -159,7 +264,7 @@ impl Backend for Sqlite {
                  RETURNING message_key",
                 values.join(", ")
             ));
-            let mut query = sqlx::query_scalar(sqlx::AssertSqlSafe(sql)).bind(consumer);
+            let mut query = sqlx::query_scalar(AssertSqlSafe(sql)).bind(consumer);
             for key in chunk {
                 query = query.bind(*key);
             }
@@ -169,41 +274,58 @@ impl Backend for Sqlite {
     }
 
     async fn try_lock_purge(
-        _pool: &SqlitePool,
+        _conn: &mut SqliteConnection,
         _table: &TableName,
-    ) -> Result<Option<PurgeLock<Sqlite>>, sqlx::Error> {
+    ) -> Result<bool, sqlx::Error> {
         // SQLite serializes writers: two purgers only take turns, batch by batch.
-        Ok(Some(PurgeLock { connection: None }))
+        Ok(true)
     }
 
-    async fn unlock_purge(_lock: PurgeLock<Sqlite>, _table: &TableName) -> Result<(), sqlx::Error> {
+    async fn unlock_purge(
+        _conn: &mut SqliteConnection,
+        _table: &TableName,
+    ) -> Result<(), sqlx::Error> {
         Ok(())
     }
-
-    shared_queries!(SqlitePool, SqliteConnection);
 }
 
-/// SQLite result codes worth a retry: `SQLITE_BUSY` and `SQLITE_LOCKED` with any extended code.
-pub(crate) fn is_retryable_code(code: &str) -> bool {
+/// Makes sqlx's count of open transactions true again after SQLite ended the transaction behind
+/// its back (a rollback after an error, or the body's own `COMMIT` or `ROLLBACK`): begins one if
+/// none is open, so that the transaction manager's rollback, which ends it, finds one.
+async fn resync(conn: &mut SqliteConnection) -> Result<(), sqlx::Error> {
+    // Fails with "cannot start a transaction within a transaction" when one is open: that is fine.
+    let _ = conn.execute("BEGIN").await;
+    SqliteTransactionManager::rollback(conn).await
+}
+
+/// What an SQLite result code (with any extended code) says about a retry: `SQLITE_BUSY` and
+/// `SQLITE_LOCKED` (another writer), `SQLITE_FULL` (a full disk) and `SQLITE_IOERR` are transient.
+fn fault_of_code(code: &str) -> Fault {
     const SQLITE_BUSY: i32 = 5;
     const SQLITE_LOCKED: i32 = 6;
-    code.parse::<i32>()
-        .is_ok_and(|code| matches!(code & 0xFF, SQLITE_BUSY | SQLITE_LOCKED))
+    const SQLITE_IOERR: i32 = 10;
+    const SQLITE_FULL: i32 = 13;
+    match code.parse::<i32>().map(|code| code & 0xFF) {
+        Ok(SQLITE_BUSY | SQLITE_LOCKED | SQLITE_IOERR | SQLITE_FULL) => Fault::Transient,
+        _ => Fault::None,
+    }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::is_retryable_code;
+    use super::{Fault, fault_of_code};
 
     #[test]
-    fn busy_and_locked_are_retryable_with_any_extended_code() {
-        // SQLITE_BUSY, SQLITE_BUSY_SNAPSHOT (517), SQLITE_LOCKED, SQLITE_LOCKED_SHAREDCACHE (262)
-        for code in ["5", "517", "6", "262"] {
-            assert!(is_retryable_code(code), "{code}");
+    fn busy_locked_and_full_are_retryable_with_any_extended_code() {
+        // SQLITE_BUSY, SQLITE_BUSY_SNAPSHOT (517), SQLITE_LOCKED, SQLITE_LOCKED_SHAREDCACHE (262),
+        // SQLITE_FULL, SQLITE_IOERR_WRITE (778)
+        for code in ["5", "517", "6", "262", "13", "778"] {
+            assert_eq!(fault_of_code(code), Fault::Transient, "{code}");
         }
-        // SQLITE_CONSTRAINT_PRIMARYKEY (1555), SQLITE_READONLY (8), SQLITE_CORRUPT (11)
-        for code in ["1555", "8", "11", "not a number"] {
-            assert!(!is_retryable_code(code), "{code}");
+        // SQLITE_CONSTRAINT_PRIMARYKEY (1555), SQLITE_READONLY (8), SQLITE_CORRUPT (11),
+        // SQLITE_CONSTRAINT_COMMITHOOK (531)
+        for code in ["1555", "8", "11", "531", "not a number"] {
+            assert_eq!(fault_of_code(code), Fault::None, "{code}");
         }
     }
 }

@@ -1,0 +1,270 @@
+//! The statements that are the same on every backend, run by one generic implementation.
+//!
+//! `Queries` is implemented once, for every database whose driver can run them; [`Backend`]
+//! requires it, so code generic over a backend calls these without repeating the driver's bounds.
+//!
+//! [`Backend`]: super::Backend
+
+use std::future::Future;
+
+use sqlx::{AssertSqlSafe, Database, Decode, Encode, Executor, Type};
+
+use super::private::Store;
+use super::statements::{CallId, CallRow, Statements, StoredRow};
+
+/// The shared statements; see the module docs.
+pub trait Queries: Store {
+    /// Runs `sql`, a statement without parameters, as it is.
+    fn run<'a>(
+        conn: &'a mut Self::Connection,
+        sql: &'a str,
+    ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send + 'a;
+
+    /// Forgets the statements the driver prepared on `conn` (and closes them on the server).
+    fn forget_statements(
+        conn: &mut Self::Connection,
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + '_;
+
+    /// Inserts `(consumer, key, fingerprint)` unless the key is there, in the open transaction;
+    /// `true` when this call inserted it. A concurrent uncommitted insert of the same key makes
+    /// this wait for that transaction to end.
+    fn claim<'a>(
+        conn: &'a mut Self::Connection,
+        statements: &'a Statements,
+        consumer: &'a str,
+        key: &'a [u8],
+        fingerprint: Option<&'a [u8]>,
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send + 'a;
+
+    /// Stores the body's serialized response on the claimed row, in the handler's transaction.
+    fn set_response<'a>(
+        conn: &'a mut Self::Connection,
+        statements: &'a Statements,
+        consumer: &'a str,
+        key: &'a [u8],
+        response: &'a [u8],
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a;
+
+    /// The committed row of `(consumer, key)`, if any.
+    fn stored<'a>(
+        conn: &'a mut Self::Connection,
+        statements: &'a Statements,
+        consumer: &'a str,
+        key: &'a [u8],
+    ) -> impl Future<Output = Result<Option<StoredRow>, sqlx::Error>> + Send + 'a;
+
+    /// Deletes one batch of expired rows with `statement` (see [`Statements::purge`]).
+    fn purge_batch<'a>(
+        conn: &'a mut Self::Connection,
+        statement: &'a str,
+        retention_ms: i64,
+        consumers: &'a [String],
+        batch: i64,
+    ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send + 'a;
+
+    /// Records a call as pending with fence 1 unless it is recorded; `true` when this inserted it.
+    fn call_insert<'a>(
+        conn: &'a mut Self::Connection,
+        statements: &'a Statements,
+        id: CallId<'a>,
+        lease_ms: i64,
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send + 'a;
+
+    /// The call's record.
+    fn call_read<'a>(
+        conn: &'a mut Self::Connection,
+        statements: &'a Statements,
+        id: CallId<'a>,
+    ) -> impl Future<Output = Result<Option<CallRow>, sqlx::Error>> + Send + 'a;
+
+    /// Takes over a pending call whose lease expired and whose fence is still `fence`; `true` when
+    /// this call did.
+    fn call_take_over<'a>(
+        conn: &'a mut Self::Connection,
+        statements: &'a Statements,
+        id: CallId<'a>,
+        fence: i64,
+        lease_ms: i64,
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send + 'a;
+
+    /// Marks the call completed with `result` if its fence is still `fence`; `true` when it did.
+    fn call_complete<'a>(
+        conn: &'a mut Self::Connection,
+        statements: &'a Statements,
+        id: CallId<'a>,
+        fence: i64,
+        result: &'a [u8],
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send + 'a;
+}
+
+/// The rows a statement changed, which every driver reports with a method of its own.
+pub trait RowsAffected {
+    /// The rows a statement changed.
+    fn rows(&self) -> u64;
+}
+
+macro_rules! rows_affected {
+    ($($feature:literal => $result:ty),*) => {$(
+        #[cfg(feature = $feature)]
+        impl RowsAffected for $result {
+            fn rows(&self) -> u64 {
+                self.rows_affected()
+            }
+        }
+    )*};
+}
+rows_affected!(
+    "postgres" => sqlx::postgres::PgQueryResult,
+    "sqlite" => sqlx::sqlite::SqliteQueryResult,
+    "mysql" => sqlx::mysql::MySqlQueryResult
+);
+
+impl<DB> Queries for DB
+where
+    DB: Store,
+    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
+    for<'q> &'q str: Encode<'q, DB> + Type<DB>,
+    for<'q> &'q [u8]: Encode<'q, DB> + Type<DB>,
+    for<'q> Option<&'q [u8]>: Encode<'q, DB>,
+    <DB as Database>::Arguments: sqlx::IntoArguments<DB>,
+    for<'q> i64: Encode<'q, DB> + Type<DB>,
+    for<'r> Option<Vec<u8>>: Decode<'r, DB> + Type<DB>,
+    for<'r> i64: Decode<'r, DB>,
+    for<'r> bool: Decode<'r, DB> + Type<DB>,
+    usize: sqlx::ColumnIndex<DB::Row>,
+    DB: sqlx::database::HasStatementCache,
+    DB::QueryResult: RowsAffected,
+{
+    async fn run(conn: &mut DB::Connection, sql: &str) -> Result<u64, sqlx::Error> {
+        let done = conn.execute(AssertSqlSafe(sql.to_owned())).await?;
+        Ok(done.rows())
+    }
+
+    async fn forget_statements(conn: &mut DB::Connection) -> Result<(), sqlx::Error> {
+        sqlx::Connection::clear_cached_statements(conn).await
+    }
+
+    async fn claim(
+        conn: &mut DB::Connection,
+        statements: &Statements,
+        consumer: &str,
+        key: &[u8],
+        fingerprint: Option<&[u8]>,
+    ) -> Result<bool, sqlx::Error> {
+        let done = sqlx::query(AssertSqlSafe(statements.claim.clone()))
+            .bind(consumer)
+            .bind(key)
+            .bind(fingerprint)
+            .execute(conn)
+            .await?;
+        Ok(done.rows() == 1)
+    }
+
+    async fn set_response(
+        conn: &mut DB::Connection,
+        statements: &Statements,
+        consumer: &str,
+        key: &[u8],
+        response: &[u8],
+    ) -> Result<(), sqlx::Error> {
+        sqlx::query(AssertSqlSafe(statements.set_response.clone()))
+            .bind(response)
+            .bind(consumer)
+            .bind(key)
+            .execute(conn)
+            .await?;
+        Ok(())
+    }
+
+    async fn stored(
+        conn: &mut DB::Connection,
+        statements: &Statements,
+        consumer: &str,
+        key: &[u8],
+    ) -> Result<Option<StoredRow>, sqlx::Error> {
+        sqlx::query_as(AssertSqlSafe(statements.stored.clone()))
+            .bind(consumer)
+            .bind(key)
+            .fetch_optional(conn)
+            .await
+    }
+
+    async fn purge_batch(
+        conn: &mut DB::Connection,
+        statement: &str,
+        retention_ms: i64,
+        consumers: &[String],
+        batch: i64,
+    ) -> Result<u64, sqlx::Error> {
+        let mut query = sqlx::query(AssertSqlSafe(statement.to_owned())).bind(retention_ms);
+        for consumer in consumers {
+            query = query.bind(consumer.as_str());
+        }
+        Ok(query.bind(batch).execute(conn).await?.rows())
+    }
+
+    async fn call_insert(
+        conn: &mut DB::Connection,
+        statements: &Statements,
+        id: CallId<'_>,
+        lease_ms: i64,
+    ) -> Result<bool, sqlx::Error> {
+        let done = sqlx::query(AssertSqlSafe(statements.call_insert.clone()))
+            .bind(id.consumer)
+            .bind(id.key)
+            .bind(id.name)
+            .bind(lease_ms)
+            .execute(conn)
+            .await?;
+        Ok(done.rows() == 1)
+    }
+
+    async fn call_read(
+        conn: &mut DB::Connection,
+        statements: &Statements,
+        id: CallId<'_>,
+    ) -> Result<Option<CallRow>, sqlx::Error> {
+        sqlx::query_as(AssertSqlSafe(statements.call_read.clone()))
+            .bind(id.consumer)
+            .bind(id.key)
+            .bind(id.name)
+            .fetch_optional(conn)
+            .await
+    }
+
+    async fn call_take_over(
+        conn: &mut DB::Connection,
+        statements: &Statements,
+        id: CallId<'_>,
+        fence: i64,
+        lease_ms: i64,
+    ) -> Result<bool, sqlx::Error> {
+        let done = sqlx::query(AssertSqlSafe(statements.call_take_over.clone()))
+            .bind(lease_ms)
+            .bind(id.consumer)
+            .bind(id.key)
+            .bind(id.name)
+            .bind(fence)
+            .execute(conn)
+            .await?;
+        Ok(done.rows() == 1)
+    }
+
+    async fn call_complete(
+        conn: &mut DB::Connection,
+        statements: &Statements,
+        id: CallId<'_>,
+        fence: i64,
+        result: &[u8],
+    ) -> Result<bool, sqlx::Error> {
+        let done = sqlx::query(AssertSqlSafe(statements.call_complete.clone()))
+            .bind(result)
+            .bind(id.consumer)
+            .bind(id.key)
+            .bind(id.name)
+            .bind(fence)
+            .execute(conn)
+            .await?;
+        Ok(done.rows() == 1)
+    }
+}
