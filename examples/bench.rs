@@ -1,5 +1,6 @@
 //! What the inbox costs per message, measured against the alternatives in one run, on the same
-//! database, pool size and messages; prints a table and writes `target/bench.svg`.
+//! database, pool size and messages; prints a table and further figures, then writes the plot
+//! `bench.svg` into cargo's target directory.
 //!
 //! ```text
 //! cargo run --release --example bench --features postgres            # PostgreSQL (IDEMPOTENT_PG_URL) and SQLite
@@ -379,8 +380,26 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
 
     print_table(&results);
-    extras(&pg_db, count).await?;
-    Ok(())
+    // The plot comes last, and a failure to write it only warns: the figures are printed by then.
+    let extras = extras(&pg_db, count).await;
+    let plot = target_dir().join("bench.svg");
+    match write_plot(&plot, &results) {
+        Ok(()) => println!("\nplot: {}", plot.display()),
+        Err(e) => eprintln!(
+            "\nwarning: the plot was not written to {}: {e}",
+            plot.display()
+        ),
+    }
+    extras
+}
+
+/// Cargo's target directory: `CARGO_TARGET_DIR` when set, else `target/` in the workspace, whose
+/// root is this package's folder.
+fn target_dir() -> std::path::PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR").map_or_else(
+        || std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target"),
+        Into::into,
+    )
 }
 
 async fn setup<DB: idempotent::Backend>(pool: &sqlx::Pool<DB>, int: &str)
@@ -450,16 +469,20 @@ fn print_table(results: &[Measured]) {
             b.per_second / c.per_second
         );
     }
-    write_plot(results);
 }
 
 /// Throughput of each variant by workers, one panel per backend, connection use and duplicate
 /// share, as SVG.
-fn write_plot(results: &[Measured]) {
+fn write_plot(
+    path: &std::path::Path,
+    results: &[Measured],
+) -> Result<(), Box<dyn std::error::Error>> {
     use plotters::prelude::*;
-    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/bench.svg");
-    let root = SVGBackend::new(&path, (1600, 700)).into_drawing_area();
-    root.fill(&WHITE).unwrap();
+    if let Some(folder) = path.parent() {
+        std::fs::create_dir_all(folder)?;
+    }
+    let root = SVGBackend::new(path, (1600, 700)).into_drawing_area();
+    root.fill(&WHITE)?;
     let panels = root.split_evenly((2, 4));
     let keys = ["PostgreSQL", "SQLite"].into_iter().flat_map(|backend| {
         [(false, 0), (false, 20), (true, 0), (true, 20)].map(|(held, share)| (backend, held, share))
@@ -481,14 +504,12 @@ fn write_plot(results: &[Measured]) {
             .margin(10)
             .x_label_area_size(30)
             .y_label_area_size(50)
-            .build_cartesian_2d(0f64..17f64, 0f64..top)
-            .unwrap();
+            .build_cartesian_2d(0f64..17f64, 0f64..top)?;
         chart
             .configure_mesh()
             .x_desc("workers")
             .y_desc("messages/s")
-            .draw()
-            .unwrap();
+            .draw()?;
         for (variant, color, name) in [
             (Variant::Plain, BLUE, "(a) no inbox"),
             (Variant::Inbox, RED, "(b) #[idempotent]"),
@@ -500,27 +521,23 @@ fn write_plot(results: &[Measured]) {
                 .map(|m| (m.workers as f64, m.per_second))
                 .collect();
             chart
-                .draw_series(LineSeries::new(points.clone(), color.stroke_width(2)))
-                .unwrap()
+                .draw_series(LineSeries::new(points.clone(), color.stroke_width(2)))?
                 .label(name)
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 15, y)], color));
-            chart
-                .draw_series(
-                    points
-                        .into_iter()
-                        .map(|p| Circle::new(p, 3, color.filled())),
-                )
-                .unwrap();
+            chart.draw_series(
+                points
+                    .into_iter()
+                    .map(|p| Circle::new(p, 3, color.filled())),
+            )?;
         }
         chart
             .configure_series_labels()
             .background_style(WHITE.mix(0.8))
             .border_style(BLACK)
-            .draw()
-            .unwrap();
+            .draw()?;
     }
-    root.present().unwrap();
-    println!("\nplot: {}", path.display());
+    root.present()?;
+    Ok(())
 }
 
 /// Batches, pgbench as the physical limit, several instances, a large inbox, a purge during the
