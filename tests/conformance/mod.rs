@@ -12,8 +12,10 @@ use tokio::sync::Notify;
 
 use crate::support::{Behaviour, Consumer, Delivery, Harness};
 
+mod adversarial;
 mod batch;
 mod lifecycle;
+pub use adversarial::*;
 pub use batch::*;
 pub use lifecycle::*;
 
@@ -477,6 +479,12 @@ macro_rules! conformance_tests {
             batch_runs_the_body_only_for_new_keys
             failing_body_rolls_back_the_whole_batch
             overlapping_concurrent_batches_have_one_effect_each
+            body_that_swallows_a_failed_statement_is_never_processed_without_its_commit
+            body_that_ends_the_transaction_is_never_reported_processed
+            handler_dropped_at_every_await_point_leaves_a_pool_of_one_working
+            worker_inbox_on_a_pool_of_one_reads_on_its_own_connection
+            bad_names_and_leases_are_refused_before_any_database_work
+            completing_a_call_twice_says_what_happened
         );
     };
     (@cases $new:expr; $($case:ident)*) => {$(

@@ -34,6 +34,18 @@ pub enum Behaviour {
     Panic,
     /// Writes its effect, signals, then never finishes (to be cancelled).
     Hang(Arc<Notify>),
+    /// Runs these steps instead of writing its effect, ignoring every error, and returns `Ok`:
+    /// a body that swallows failures or ends the transaction itself.
+    Script(Vec<Step>),
+}
+
+/// One step of a scripted body.
+#[derive(Clone)]
+pub enum Step {
+    /// Runs this SQL as it is.
+    Sql(&'static str),
+    /// Writes an effect for this consumer name and the message's label.
+    Effect(&'static str),
 }
 
 impl Delivery {
@@ -80,6 +92,8 @@ pub enum Consumer {
     Billing,
     /// `consumer = "orders"`, keyed on `raw_id` (bytes).
     OrdersByRawId,
+    /// `consumer = "savepoints"`: nests transactions in its body (several statements).
+    Savepoints,
 }
 
 pub type Outcome = Result<Handled<()>, Error<TestError>>;
@@ -114,6 +128,24 @@ pub trait Harness {
 
     /// How many rows the inbox table holds.
     fn inbox_rows(&self) -> impl Future<Output = i64>;
+
+    /// A new inbox on the same database whose pool has one connection (and gives up waiting for
+    /// it after a few seconds).
+    fn inbox_of_one(&self) -> Inbox<Self::Db>;
+
+    /// Calls the `quotes` handler on `inbox`.
+    fn deliver_quote_on(
+        &self,
+        inbox: &Inbox<Self::Db>,
+        msg: &Delivery,
+    ) -> impl Future<Output = Quote>;
+
+    /// Calls the `payments` handler on `inbox`.
+    fn deliver_payment_on(
+        &self,
+        inbox: &Inbox<Self::Db>,
+        msg: &Delivery,
+    ) -> impl Future<Output = Outcome>;
 
     /// Calls the `orders` handler through a second inbox on the same database whose connections
     /// give up waiting for a lock after about a second or less.
@@ -157,12 +189,32 @@ macro_rules! effect_handlers {
         use crate::support::{Behaviour, Delivery, TestError};
 
         async fn effect(tx: &mut $conn, consumer: &str, msg: &Delivery) -> Result<(), TestError> {
+            if let Behaviour::Script(steps) = &msg.behaviour {
+                for step in steps {
+                    let _ = match step {
+                        crate::support::Step::Sql(sql) => {
+                            sqlx::query(sqlx::AssertSqlSafe(*sql))
+                                .execute(&mut *tx)
+                                .await
+                        }
+                        crate::support::Step::Effect(consumer) => {
+                            sqlx::query($insert)
+                                .bind(consumer)
+                                .bind(&msg.label)
+                                .execute(&mut *tx)
+                                .await
+                        }
+                    };
+                }
+                return Ok(());
+            }
             sqlx::query($insert)
                 .bind(consumer)
                 .bind(&msg.label)
                 .execute(&mut *tx)
                 .await?;
             match &msg.behaviour {
+                Behaviour::Script(_) => unreachable!("handled above"),
                 Behaviour::Succeed => Ok(()),
                 Behaviour::Fail => Err(TestError::Failed),
                 Behaviour::Panic => panic!("the handler panicked on purpose"),
@@ -254,6 +306,7 @@ macro_rules! effect_handlers {
                 crate::support::Consumer::Orders => orders(inbox, msg).await,
                 crate::support::Consumer::Billing => billing(inbox, msg).await,
                 crate::support::Consumer::OrdersByRawId => orders_by_raw_id(inbox, msg).await,
+                crate::support::Consumer::Savepoints => savepoints(inbox, msg).await,
             }
         }
     };
@@ -303,6 +356,22 @@ macro_rules! harness_methods {
             handlers::quotes(&self.inbox, msg).await
         }
 
+        async fn deliver_quote_on(
+            &self,
+            inbox: &idempotent::Inbox<Self::Db>,
+            msg: &Delivery,
+        ) -> Quote {
+            handlers::quotes(inbox, msg).await
+        }
+
+        async fn deliver_payment_on(
+            &self,
+            inbox: &idempotent::Inbox<Self::Db>,
+            msg: &Delivery,
+        ) -> Outcome {
+            handlers::payments(inbox, msg).await
+        }
+
         async fn deliver_payment(&self, msg: &Delivery) -> Outcome {
             handlers::payments(&self.inbox, msg).await
         }
@@ -350,3 +419,9 @@ pub(crate) use harness_methods;
 /// The effects table, the same on every backend.
 pub const CREATE_EFFECTS: &str =
     "CREATE TABLE effects (consumer TEXT NOT NULL, label TEXT NOT NULL)";
+
+/// A table with a unique key, whose row 1 is there: inserting it again is a unique violation.
+pub const CREATE_UNIQUES: [&str; 2] = [
+    "CREATE TABLE uniques (id INTEGER PRIMARY KEY)",
+    "INSERT INTO uniques (id) VALUES (1)",
+];

@@ -56,6 +56,9 @@ impl MySqlHarness {
             })
             .connect_lazy_with(options);
         sqlx::query(CREATE_EFFECTS).execute(&pool).await.unwrap();
+        for statement in super::CREATE_UNIQUES {
+            sqlx::query(statement).execute(&pool).await.unwrap();
+        }
         let inbox = Inbox::new(pool.clone());
         inbox.migrate().await.expect("migrate");
         Self {
@@ -71,6 +74,14 @@ impl Harness for MySqlHarness {
     crate::support::harness_methods!("?", "?");
 
     type Db = MySql;
+
+    fn inbox_of_one(&self) -> Inbox<Self::Db> {
+        let pool = MySqlPoolOptions::new()
+            .max_connections(1)
+            .acquire_timeout(Duration::from_secs(5))
+            .connect_lazy_with(self.pool.connect_options().as_ref().clone());
+        Inbox::new(pool)
+    }
 
     async fn bulk_rows(&self, consumer: &str, rows: usize) {
         // MariaDB's sequence engine: seq_1_to_N is a table of the numbers 1 to N.

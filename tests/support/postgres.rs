@@ -51,6 +51,9 @@ impl PgHarness {
             .max_connections(2)
             .connect_lazy_with(options.options([("lock_timeout", "300ms")]));
         sqlx::query(CREATE_EFFECTS).execute(&pool).await.unwrap();
+        for statement in super::CREATE_UNIQUES {
+            sqlx::query(statement).execute(&pool).await.unwrap();
+        }
         let inbox = Inbox::new(pool.clone());
         inbox.migrate().await.expect("migrate");
         Self {
@@ -77,6 +80,14 @@ impl Harness for PgHarness {
     crate::support::harness_methods!("$1", "$2");
 
     type Db = Postgres;
+
+    fn inbox_of_one(&self) -> Inbox<Self::Db> {
+        let pool = PgPoolOptions::new()
+            .max_connections(1)
+            .acquire_timeout(Duration::from_secs(5))
+            .connect_lazy_with(self.pool.connect_options().as_ref().clone());
+        Inbox::new(pool)
+    }
 
     async fn bulk_rows(&self, consumer: &str, rows: usize) {
         sqlx::query(

@@ -36,6 +36,9 @@ impl SqliteHarness {
             .max_connections(2)
             .connect_lazy_with(options.busy_timeout(Duration::from_millis(300)));
         sqlx::query(CREATE_EFFECTS).execute(&pool).await.unwrap();
+        for statement in super::CREATE_UNIQUES {
+            sqlx::query(statement).execute(&pool).await.unwrap();
+        }
         let inbox = Inbox::new(pool.clone());
         inbox.migrate().await.expect("migrate");
         Self {
@@ -52,6 +55,9 @@ impl SqliteHarness {
         let inbox = Inbox::<Sqlite>::in_memory().await.expect("in-memory inbox");
         let pool = inbox.pool().clone();
         sqlx::query(CREATE_EFFECTS).execute(&pool).await.unwrap();
+        for statement in super::CREATE_UNIQUES {
+            sqlx::query(statement).execute(&pool).await.unwrap();
+        }
         Self {
             impatient: inbox.clone(),
             inbox,
@@ -65,6 +71,17 @@ impl Harness for SqliteHarness {
     crate::support::harness_methods!("$1", "$2");
 
     type Db = Sqlite;
+
+    fn inbox_of_one(&self) -> Inbox<Self::Db> {
+        if self._dir.is_none() {
+            return self.inbox.clone(); // the in-memory database has one connection already
+        }
+        let pool = SqlitePoolOptions::new()
+            .max_connections(1)
+            .acquire_timeout(Duration::from_secs(5))
+            .connect_lazy_with(self.pool.connect_options().as_ref().clone());
+        Inbox::new(pool)
+    }
 
     async fn bulk_rows(&self, consumer: &str, rows: usize) {
         sqlx::query(

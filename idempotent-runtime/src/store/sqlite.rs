@@ -90,6 +90,9 @@ impl crate::Inbox<Sqlite> {
             .min_connections(1)
             .idle_timeout(None)
             .max_lifetime(None)
+            // The pool's check of a connection as it is taken is a step that, cancelled (a
+            // timeout around a handler), closes the connection: that would be the database.
+            .test_before_acquire(false)
             .acquire_timeout(std::time::Duration::from_secs(5))
             .connect("sqlite::memory:")
             .await

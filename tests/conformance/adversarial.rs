@@ -1,0 +1,299 @@
+//! Callers and bodies that misbehave: a body that swallows a failed statement or ends the
+//! transaction itself, a handler future dropped at every await point on a pool of one, a worker's
+//! inbox whose pool has one connection, names and leases that cannot be stored.
+
+use std::task::Poll;
+use std::time::Duration;
+
+use idempotent::{Error, Handled, InboxError, message_key};
+
+use crate::support::{Behaviour, Consumer, Delivery, Harness, Step};
+
+/// How long a call may take before the test calls it hung (a stranded connection, a stall).
+const HANG: Duration = Duration::from_secs(20);
+
+/// A body that swallows a failed statement and returns `Ok`: either the inbox commits its work and
+/// the key together (MySQL, SQLite: the transaction survives a failed statement), or, where the
+/// database aborted the transaction (PostgreSQL), the inbox reports it, retryable, with nothing
+/// committed. Never `Processed` with nothing committed.
+pub async fn body_that_swallows_a_failed_statement_is_never_processed_without_its_commit(
+    h: impl Harness,
+) {
+    let msg = Delivery::new("swallows").behaving(Behaviour::Script(vec![
+        Step::Effect("orders"),
+        Step::Sql("INSERT INTO uniques (id) VALUES (1)"), // a unique violation, ignored
+        Step::Effect("orders-after"),
+    ]));
+    let committed = match h.deliver(Consumer::Orders, &msg).await {
+        Ok(Handled::Processed(())) => true,
+        Err(Error::Inbox(InboxError::TransactionAborted)) => false,
+        other => panic!("expected Processed or TransactionAborted, got {other:?}"),
+    };
+    let expected = i64::from(committed);
+    assert_eq!(h.effects_of("orders", "swallows").await, expected);
+    assert_eq!(h.effects_of("orders-after", "swallows").await, expected);
+    assert_eq!(
+        h.inbox().is_processed("orders", "swallows").await.unwrap(),
+        committed
+    );
+    if !committed {
+        let error = h.deliver(Consumer::Orders, &msg).await.unwrap_err();
+        assert!(error.is_retryable(), "{error:?}");
+        let redelivery = Delivery::new("swallows");
+        let outcome = h.deliver(Consumer::Orders, &redelivery).await;
+        assert!(matches!(outcome, Ok(Handled::Processed(()))), "{outcome:?}");
+        assert_eq!(h.effects_of("orders", "swallows").await, 1);
+    }
+
+    // Inside a nested transaction (a savepoint) the same failure is the body's to handle, and the
+    // message is processed.
+    let nested = Delivery::new("swallows-nested").behaving(Behaviour::Script(vec![
+        Step::Effect("orders"),
+        Step::Sql("SAVEPOINT body"),
+        Step::Sql("INSERT INTO uniques (id) VALUES (1)"),
+        Step::Sql("ROLLBACK TO SAVEPOINT body"),
+        Step::Effect("orders-after"),
+    ]));
+    let outcome = h.deliver(Consumer::Orders, &nested).await;
+    assert!(matches!(outcome, Ok(Handled::Processed(()))), "{outcome:?}");
+    assert_eq!(h.effects_of("orders-after", "swallows-nested").await, 1);
+    assert!(
+        h.inbox()
+            .is_processed("orders", "swallows-nested")
+            .await
+            .unwrap()
+    );
+}
+
+/// A body that ends the inbox's transaction itself (`ROLLBACK`, `COMMIT`, `COMMIT` then `BEGIN`)
+/// and writes on: never `Processed`; the error says whether the key was committed (then with the
+/// work before the end, and a redelivery is a duplicate) and whether the writes after the end
+/// were refused (MySQL, SQLite) or may have committed on their own (PostgreSQL).
+pub async fn body_that_ends_the_transaction_is_never_reported_processed(h: impl Harness) {
+    let endings: [(&str, &[&'static str]); 3] = [
+        ("ends-rollback", &["ROLLBACK"]),
+        ("ends-commit", &["COMMIT"]),
+        ("ends-commit-begin", &["COMMIT", "BEGIN"]),
+    ];
+    for (label, end) in endings {
+        let mut steps = vec![Step::Effect("before")];
+        steps.extend(end.iter().map(|sql| Step::Sql(sql)));
+        steps.push(Step::Effect("after"));
+        let msg = Delivery::new(label).behaving(Behaviour::Script(steps));
+        let (key_committed, refused) = match h.deliver(Consumer::Orders, &msg).await {
+            Err(Error::Inbox(InboxError::TransactionEnded {
+                key_committed,
+                later_writes_refused,
+            })) => (key_committed, later_writes_refused),
+            other => panic!("{label}: expected TransactionEnded, got {other:?}"),
+        };
+        let processed = h.inbox().is_processed("orders", label).await.unwrap();
+        assert_eq!(key_committed, processed, "{label}");
+        // What the body did before the end commits with the key, or not at all.
+        assert_eq!(
+            h.effects_of("before", label).await,
+            i64::from(key_committed),
+            "{label}"
+        );
+        let after = h.effects_of("after", label).await;
+        if refused {
+            assert_eq!(
+                after, 0,
+                "{label}: a write after the end committed on its own"
+            );
+        } else {
+            assert!(after <= 1, "{label}");
+        }
+        let retry = h.deliver(Consumer::Orders, &Delivery::new(label)).await;
+        match retry {
+            Ok(Handled::Duplicate { .. }) => assert!(key_committed, "{label}"),
+            Ok(Handled::Processed(())) => assert!(!key_committed, "{label}"),
+            other => panic!("{label}: the redelivery failed: {other:?}"),
+        }
+        assert!(h.inbox().is_processed("orders", label).await.unwrap());
+    }
+}
+
+/// A handler future dropped after each of its first `n` polls that returned `Pending` (so at every
+/// await point of the claim, the body's statements and the commit), on an inbox whose pool has one
+/// connection: the connection is never handed back in an unknown state, so the next delivery on
+/// that pool goes through, and each message has its effect exactly once.
+pub async fn handler_dropped_at_every_await_point_leaves_a_pool_of_one_working(h: impl Harness) {
+    let inbox = h.inbox_of_one();
+    let mut drops = 0;
+    for n in 1.. {
+        let msg = Delivery::new(&format!("dropped-{n}"));
+        let mut call = Box::pin(h.deliver_on(&inbox, Consumer::Savepoints, &msg));
+        let mut pending = 0;
+        let finished = loop {
+            match futures::poll!(call.as_mut()) {
+                Poll::Ready(outcome) => break Some(outcome),
+                Poll::Pending if pending + 1 == n => break None,
+                Poll::Pending => {
+                    pending += 1;
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+            }
+        };
+        drop(call);
+        let outcome = tokio::time::timeout(HANG, h.deliver_on(&inbox, Consumer::Savepoints, &msg))
+            .await
+            .unwrap_or_else(|_| panic!("after a drop at await point {n}, the pool of one hung"))
+            .unwrap_or_else(|error| panic!("after a drop at await point {n}: {error:?}"));
+        if finished.is_some() {
+            assert!(outcome.is_duplicate(), "{outcome:?}");
+        }
+        assert_eq!(h.effects_of("savepoints", &msg.label).await, 1, "{n}");
+        assert_eq!(h.effects_of("savepoint-kept", &msg.label).await, 1, "{n}");
+        if let Some(outcome) = finished {
+            // Not dropped any more: every await point has been covered.
+            assert!(outcome.unwrap().is_processed());
+            break;
+        }
+        drops += 1;
+    }
+    assert!(drops >= 2, "the handler had only {drops} await points");
+}
+
+/// A worker's inbox on a pool of one connection: what a duplicate reads (a stored response, a
+/// fingerprint) and `is_processed` use the connection the worker keeps, not a second one.
+pub async fn worker_inbox_on_a_pool_of_one_reads_on_its_own_connection(h: impl Harness) {
+    let worker = h.inbox_of_one().for_worker();
+    let quote = Delivery::new("worker-quote");
+    let payment = Delivery::new("worker-payment");
+    let reads = async {
+        let first = h.deliver_quote_on(&worker, &quote).await.unwrap();
+        assert_eq!(first, Handled::Processed("quote for worker-quote".into()));
+        let again = h.deliver_quote_on(&worker, &quote).await.unwrap();
+        assert_eq!(again.value().as_deref(), Some("quote for worker-quote"));
+        assert!(
+            h.deliver_payment_on(&worker, &payment)
+                .await
+                .unwrap()
+                .is_processed()
+        );
+        assert!(
+            h.deliver_payment_on(&worker, &payment)
+                .await
+                .unwrap()
+                .is_duplicate()
+        );
+        let other = Delivery::new("worker-payment-changed").with_id("worker-payment");
+        let mismatch = h.deliver_payment_on(&worker, &other).await.unwrap_err();
+        assert!(
+            matches!(
+                mismatch,
+                Error::Inbox(InboxError::FingerprintMismatch { .. })
+            ),
+            "{mismatch:?}"
+        );
+        assert!(worker.is_processed("quotes", "worker-quote").await.unwrap());
+        assert!(!worker.is_processed("quotes", "never-sent").await.unwrap());
+    };
+    tokio::time::timeout(HANG, reads)
+        .await
+        .expect("a worker's read waited for a second connection");
+}
+
+/// Names and leases that no database can take are refused with typed errors before any work.
+pub async fn bad_names_and_leases_are_refused_before_any_database_work(h: impl Harness) {
+    let inbox = h.inbox();
+    let key = message_key("bad-input").unwrap();
+    for name in ["", "with\0nul", &"c".repeat(201)] {
+        let error = inbox.claim(name, &key).await.unwrap_err();
+        assert!(
+            matches!(&error, InboxError::ConsumerName { name: n, .. } if n == name),
+            "{error:?}"
+        );
+        assert!(!error.is_retryable());
+        let error = inbox.is_processed(name, &key).await.unwrap_err();
+        assert!(
+            matches!(error, InboxError::ConsumerName { .. }),
+            "{error:?}"
+        );
+        let error = inbox
+            .begin_call::<String>("orders", &key, name, Duration::from_secs(1))
+            .await
+            .unwrap_err();
+        assert!(matches!(error, InboxError::CallName { .. }), "{error:?}");
+    }
+    for lease in [
+        Duration::ZERO,
+        Duration::MAX,
+        Duration::from_secs(400 * 24 * 3600),
+    ] {
+        let error = inbox
+            .begin_call::<String>("orders", &key, "charge", lease)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(error, InboxError::Lease { .. }),
+            "{lease:?}: {error:?}"
+        );
+    }
+    assert_eq!(h.inbox_rows().await, 0);
+    // The longest lease accepted is stored and read back as it was.
+    let lease = idempotent::calls::MAX_CALL_LEASE;
+    let idempotent::CallStart::Run(first) = inbox
+        .begin_call::<String>("orders", &key, "charge", lease)
+        .await
+        .unwrap()
+    else {
+        panic!("a new call was not ours to run");
+    };
+    let error = inbox
+        .begin_call::<String>("orders", &key, "charge", lease)
+        .await
+        .unwrap_err();
+    match error {
+        InboxError::CallInProgress { retry_after } => {
+            assert!(
+                retry_after > lease - Duration::from_secs(60),
+                "{retry_after:?}"
+            )
+        }
+        other => panic!("expected the call in progress, got {other:?}"),
+    }
+    inbox
+        .complete_call(first, &"done".to_owned())
+        .await
+        .unwrap();
+}
+
+/// Completing a call again with the same lease is a success when the result is the same (a retry
+/// after a lost answer) and says so when it differs; only a later attempt's takeover is `Fenced`.
+pub async fn completing_a_call_twice_says_what_happened(h: impl Harness) {
+    let inbox = h.inbox();
+    let key = message_key("twice").unwrap();
+    let idempotent::CallStart::Run(lease) = inbox
+        .begin_call::<String>("orders", &key, "charge", Duration::from_secs(60))
+        .await
+        .unwrap()
+    else {
+        panic!("a new call was not ours to run");
+    };
+    inbox
+        .complete_call(lease.clone(), &"ch_1".to_owned())
+        .await
+        .unwrap();
+    inbox
+        .complete_call(lease.clone(), &"ch_1".to_owned())
+        .await
+        .expect("completing again with the same result");
+    let error = inbox
+        .complete_call(lease.clone(), &"ch_2".to_owned())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(error, InboxError::CallCompleted { fence: 1 }),
+        "{error:?}"
+    );
+    match inbox
+        .begin_call::<String>("orders", &key, "charge", Duration::from_secs(60))
+        .await
+        .unwrap()
+    {
+        idempotent::CallStart::Completed(result) => assert_eq!(result, "ch_1"),
+        idempotent::CallStart::Run(_) => panic!("a completed call ran again"),
+    }
+}
