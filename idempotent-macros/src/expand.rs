@@ -131,8 +131,17 @@ fn rewrite(plan: &Plan, mut function: ItemFn) -> TokenStream {
             (&&&#private::Probe(__e)).as_error()
         }).await
     };
+    // The consumer-name limit is the runtime's constant, checked at compile time on the literal.
+    let too_long = format!(
+        "#[idempotent(consumer = \"...\")] is {} bytes long, more than the inbox accepts (`MAX_CONSUMER_LEN` bytes)\nhelp: choose a shorter name; it is stored in every inbox row",
+        consumer.value().len()
+    );
+    let consumer_fits = quote_spanned! {consumer.span()=>
+        const _: () = ::core::assert!(#consumer.len() <= #private::MAX_CONSUMER_LEN, #too_long);
+    };
     let body = &function.block;
     let block = quote! {{
+        #consumer_fits
         let #builder = {
             let mut #builder = #private::KeyBuilder::new();
             #(#pushes)*

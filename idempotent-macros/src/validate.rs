@@ -8,9 +8,6 @@ use crate::ctxt::Ctxt;
 use crate::parse::{Args, Connection, Fingerprint, KeyPath, Output, Signature};
 use crate::unstable;
 
-/// Longest consumer name, as the runtime's `MAX_CONSUMER_LEN`.
-const MAX_CONSUMER_LEN: usize = 200;
-
 /// Everything code generation needs, all of it checked.
 pub(crate) struct Plan {
     pub(crate) krate: syn::Path,
@@ -120,16 +117,18 @@ fn consumer(cx: &mut Ctxt, consumer: Option<LitStr>) -> Option<LitStr> {
         );
         return None;
     };
+    // The length limit is the runtime's `MAX_CONSUMER_LEN`, which the generated code asserts.
     let value = consumer.value();
     if value.trim().is_empty() {
         cx.error_spanned(
             &consumer,
             "#[idempotent(consumer = \"...\")] must not be empty",
         );
-    } else if value.len() > MAX_CONSUMER_LEN {
+    }
+    if value.contains('\0') {
         cx.error_spanned(
             &consumer,
-            "#[idempotent(consumer = \"...\")] must be at most 200 bytes long",
+            "#[idempotent(consumer = \"...\")] must not contain a NUL byte\nhelp: the name is stored as database text, which cannot hold `\\0` in PostgreSQL; remove it",
         );
     }
     Some(consumer)

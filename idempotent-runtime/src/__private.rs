@@ -10,6 +10,7 @@ use crate::key::{KeyError, MessageKey};
 use crate::store::Backend;
 
 pub use crate::error::Error as HandlerError;
+pub use crate::inbox::MAX_CONSUMER_LEN;
 pub use crate::inbox::{Handled, InboxFor};
 pub use crate::key::{IdempotencyKey, KeyBuilder};
 pub use sqlx;
