@@ -6,11 +6,12 @@ use syn::spanned::Spanned;
 use syn::{FnArg, ItemFn};
 
 use crate::ctxt::Ctxt;
-use crate::validate::Plan;
+use crate::validate::{Outline, Plan, Rejected};
 use crate::{parse, validate};
 
-/// The whole attribute: parse, validate, generate. On errors, the errors and the function as the
-/// user wrote it, so that one mistake does not cascade into many.
+/// The whole attribute: parse, validate, generate. On errors, the errors next to the function, so
+/// that one mistake is one error: with the rewritten signature and a body that never runs when the
+/// signature could be read (so that callers passing the inbox compile), else as the user wrote it.
 pub(crate) fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
     let function: ItemFn = match syn::parse2(item.clone()) {
         Ok(function) => function,
@@ -28,41 +29,58 @@ pub(crate) fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
     let signature = parse::signature(&function.sig);
     match validate::plan(cx, args, &function.sig, signature) {
         Ok(plan) => rewrite(&plan, function),
-        Err(errors) => {
+        Err(Rejected { errors, outline }) => {
             let errors = errors.to_compile_error();
-            quote!(#errors #function)
+            match outline {
+                Some(outline) => {
+                    let function = fallback(&outline, function);
+                    quote!(#errors #function)
+                }
+                None => quote!(#errors #function),
+            }
         }
     }
 }
 
-/// Replaces the connection parameter by the inbox and wraps the body in claim and commit.
-fn rewrite(plan: &Plan, mut function: ItemFn) -> TokenStream {
-    let Plan {
+/// The function callers expect, with a body that never runs, as thiserror's `fallback.rs` does.
+fn fallback(outline: &Outline, mut function: ItemFn) -> ItemFn {
+    rewrite_signature(outline, &mut function);
+    // The parameters are unused, and so would be the `IdempotencyKey` import of the removed one.
+    function
+        .attrs
+        .push(syn::parse_quote!(#[allow(unused_variables)]));
+    let key_ty = outline
+        .idempotency_key
+        .as_ref()
+        .map(|(_, _, ty)| quote!(let _: #ty;));
+    function.block = syn::parse_quote!({
+        #key_ty
+        ::core::unimplemented!()
+    });
+    function
+}
+
+/// The signature callers see: an `async fn` taking the inbox instead of the connection, without the
+/// `IdempotencyKey` parameter (the claim provides it), returning the outcome wrapped in `Handled`
+/// and `HandlerError`.
+fn rewrite_signature(outline: &Outline, function: &mut ItemFn) {
+    let Outline {
         krate,
-        consumer,
-        key,
         connection,
-        message,
         ok,
         err,
         declared_output,
-        store_response,
-        fingerprint,
         idempotency_key,
-    } = plan;
+    } = outline;
+    let fn_span = function.sig.fn_token.span;
+    function
+        .sig
+        .asyncness
+        .get_or_insert_with(|| syn::Token![async](fn_span));
     let private = quote!(#krate::__private);
-    let site = Span::mixed_site();
-    let inbox = format_ident!("inbox", span = site);
-    let claimed = format_ident!("__claimed", span = site);
-    let result = format_ident!("__result", span = site);
-    let builder = format_ident!("__key", span = site);
-    let fake_return = format_ident!("__fake_return", span = site);
-    let fingerprint_var = format_ident!("__fingerprint", span = site);
-
+    let inbox = format_ident!("inbox", span = Span::mixed_site());
     let connection_ty = &connection.ty;
-    let connection_pat = &connection.pat;
-    let connection_ref = &connection.reference;
-    let inbox_param: FnArg = syn::parse_quote_spanned! {connection_ref.span()=>
+    let inbox_param: FnArg = syn::parse_quote_spanned! {connection.reference.span()=>
         #inbox: &#private::InboxFor<#connection_ty>
     };
     if let Some(param) = function
@@ -73,18 +91,52 @@ fn rewrite(plan: &Plan, mut function: ItemFn) -> TokenStream {
     {
         *param = inbox_param;
     }
-    let hand_over_key = idempotency_key.as_ref().map(|(index, pat, ty)| {
+    if let Some((index, _, _)) = idempotency_key {
         function.sig.inputs = std::mem::take(&mut function.sig.inputs)
             .into_iter()
             .enumerate()
             .filter(|(i, _)| i != index)
             .map(|(_, arg)| arg)
             .collect();
-        quote! { let #pat: #ty = #claimed.idempotency_key(); }
-    });
+    }
     function.sig.output = syn::parse_quote_spanned! {declared_output.span()=>
         -> ::core::result::Result<#private::Handled<#ok>, #private::HandlerError<#err>>
     };
+}
+
+/// Replaces the connection parameter by the inbox and wraps the body in claim and commit.
+fn rewrite(plan: &Plan, mut function: ItemFn) -> TokenStream {
+    let Plan {
+        outline,
+        consumer,
+        key,
+        message,
+        store_response,
+        fingerprint,
+    } = plan;
+    let Outline {
+        krate,
+        connection,
+        ok,
+        err,
+        declared_output,
+        idempotency_key,
+    } = outline;
+    let private = quote!(#krate::__private);
+    let site = Span::mixed_site();
+    let inbox = format_ident!("inbox", span = site);
+    let claimed = format_ident!("__claimed", span = site);
+    let result = format_ident!("__result", span = site);
+    let builder = format_ident!("__key", span = site);
+    let fake_return = format_ident!("__fake_return", span = site);
+    let fingerprint_var = format_ident!("__fingerprint", span = site);
+
+    let connection_pat = &connection.pat;
+    let connection_ref = &connection.reference;
+    rewrite_signature(outline, &mut function);
+    let hand_over_key = idempotency_key
+        .as_ref()
+        .map(|(_, pat, ty)| quote! { let #pat: #ty = #claimed.idempotency_key(); });
 
     // A field access carries its literal's span, so that a missing field or a key type that is not
     // a `StableKey` is reported on the name the user wrote.
