@@ -190,12 +190,14 @@ pub async fn finish_storing<DB: Backend, T: Serialize, E>(
 }
 
 #[cfg(test)]
+#[allow(clippy::needless_borrow)] // the borrows are how the probe picks
 mod tests {
     use super::*;
 
     fn probe_error(e: &std::io::Error) -> bool {
         (&&&Probe(e)).as_error().is_some()
     }
+    #[allow(clippy::borrowed_box)]
     fn probe_boxed(e: &Box<dyn std::error::Error + Send + Sync>) -> bool {
         (&&&Probe(e)).as_error().is_some()
     }
