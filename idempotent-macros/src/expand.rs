@@ -1,6 +1,6 @@
 //! Generates the rewritten handler from a checked [`Plan`]. Nothing here can fail.
 
-use proc_macro2::{Span, TokenStream};
+use proc_macro2::{Group, Span, TokenStream, TokenTree};
 use quote::{format_ident, quote, quote_spanned};
 use syn::spanned::Spanned;
 use syn::{FnArg, ItemFn};
@@ -163,21 +163,33 @@ fn rewrite(plan: &Plan, mut function: ItemFn) -> TokenStream {
             quote!(::core::option::Option::Some(#private::fingerprint(&(#(#fields,)*))))
         }
     };
-    let (start, finish) = if *store_response {
-        (quote!(start_storing), quote!(finish_storing))
+    // With `store_response`, the storing calls are spanned on the `Ok` type and name it as their
+    // `T` (the second type parameter), so that rustc reports their bounds, which go through the
+    // same trait as the `storable` check, where that check is: a type that cannot be stored is
+    // one error, on the type the user wrote.
+    let (start, finish, storing_span) = if *store_response {
+        let on_ok = |function: TokenStream| {
+            let path = respan(quote!(#private::#function), ok.span());
+            quote_spanned!(ok.span()=> #path::<_, #ok, _>)
+        };
+        (
+            on_ok(quote!(start_storing)),
+            on_ok(quote!(finish_storing)),
+            ok.span(),
+        )
     } else {
-        (quote!(start), quote!(finish))
+        (
+            quote!(#private::start),
+            quote!(#private::finish),
+            Span::call_site(),
+        )
     };
     let handler_name = function.sig.ident.to_string();
-    // With `store_response`, a body value that cannot be stored is reported on the return type.
-    let finish_span = if *store_response {
-        ok.span()
-    } else {
-        Span::call_site()
+    let start_call = quote_spanned! {storing_span=>
+        #start(#inbox, #consumer, #builder, #fingerprint_var).await
     };
-    let finish = syn::Ident::new(&finish.to_string(), finish_span);
-    let finish_call = quote_spanned! {finish_span=>
-        #private::#finish(#claimed, #result, |__e: &#err| {
+    let finish_call = quote_spanned! {storing_span=>
+        #finish(#claimed, #result, |__e: &#err| {
             #[allow(unused_imports)]
             use #private::{ProbeAsRef as _, ProbeError as _, ProbeNone as _};
             (&&&#private::Probe(__e)).as_error()
@@ -191,9 +203,15 @@ fn rewrite(plan: &Plan, mut function: ItemFn) -> TokenStream {
     let consumer_fits = quote_spanned! {consumer.span()=>
         const _: () = ::core::assert!(#consumer.len() <= #private::MAX_CONSUMER_LEN, #too_long);
     };
+    // With `store_response`, one check that the `Ok` type can be stored, on that type, before the
+    // calls whose bounds go through the same trait.
+    let storable = store_response.then(|| {
+        quote_spanned! {ok.span()=> #private::storable::<#ok>(); }
+    });
     let body = &function.block;
     let block = quote! {{
         #consumer_fits
+        #storable
         let #builder = {
             let mut #builder = #private::KeyBuilder::new();
             #(#pushes)*
@@ -201,7 +219,7 @@ fn rewrite(plan: &Plan, mut function: ItemFn) -> TokenStream {
         };
         let #fingerprint_var = #fingerprint;
         #private::Instrument::instrument(async move {
-        let mut #claimed = match #private::#start(#inbox, #consumer, #builder, #fingerprint_var).await {
+        let mut #claimed = match #start_call {
             #private::Start::Claimed(claimed) => claimed,
             #private::Start::Done(outcome) => return outcome,
         };
@@ -230,4 +248,21 @@ fn rewrite(plan: &Plan, mut function: ItemFn) -> TokenStream {
     }};
     function.block = syn::parse2(block).expect("the generated body is a block");
     quote!(#function)
+}
+
+/// `tokens` with every span set to `span`: for the runtime's path, which names the same items from
+/// the user's `Ok` type as from the attribute.
+fn respan(tokens: TokenStream, span: Span) -> TokenStream {
+    tokens
+        .into_iter()
+        .map(|mut token| {
+            if let TokenTree::Group(group) = &token {
+                let mut group = Group::new(group.delimiter(), respan(group.stream(), span));
+                group.set_span(span);
+                token = TokenTree::Group(group);
+            }
+            token.set_span(span);
+            token
+        })
+        .collect()
 }
