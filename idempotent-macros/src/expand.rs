@@ -1,16 +1,17 @@
 //! Generates the rewritten handler from a checked [`Plan`]. Nothing here can fail.
 
-use proc_macro2::{Span, TokenStream};
+use proc_macro2::{Group, Span, TokenStream, TokenTree};
 use quote::{format_ident, quote, quote_spanned};
 use syn::spanned::Spanned;
 use syn::{FnArg, ItemFn};
 
 use crate::ctxt::Ctxt;
-use crate::validate::Plan;
+use crate::validate::{Outline, Plan, Rejected};
 use crate::{parse, validate};
 
-/// The whole attribute: parse, validate, generate. On errors, the errors and the function as the
-/// user wrote it, so that one mistake does not cascade into many.
+/// The whole attribute: parse, validate, generate. On errors, the errors next to the function, so
+/// that one mistake is one error: with the rewritten signature and a body that never runs when the
+/// signature could be read (so that callers passing the inbox compile), else as the user wrote it.
 pub(crate) fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
     let function: ItemFn = match syn::parse2(item.clone()) {
         Ok(function) => function,
@@ -28,41 +29,58 @@ pub(crate) fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
     let signature = parse::signature(&function.sig);
     match validate::plan(cx, args, &function.sig, signature) {
         Ok(plan) => rewrite(&plan, function),
-        Err(errors) => {
+        Err(Rejected { errors, outline }) => {
             let errors = errors.to_compile_error();
-            quote!(#errors #function)
+            match outline {
+                Some(outline) => {
+                    let function = fallback(&outline, function);
+                    quote!(#errors #function)
+                }
+                None => quote!(#errors #function),
+            }
         }
     }
 }
 
-/// Replaces the connection parameter by the inbox and wraps the body in claim and commit.
-fn rewrite(plan: &Plan, mut function: ItemFn) -> TokenStream {
-    let Plan {
+/// The function callers expect, with a body that never runs, as thiserror's `fallback.rs` does.
+fn fallback(outline: &Outline, mut function: ItemFn) -> ItemFn {
+    rewrite_signature(outline, &mut function);
+    // The parameters are unused, and so would be the `IdempotencyKey` import of the removed one.
+    function
+        .attrs
+        .push(syn::parse_quote!(#[allow(unused_variables)]));
+    let key_ty = outline
+        .idempotency_key
+        .as_ref()
+        .map(|(_, _, ty)| quote!(let _: #ty;));
+    function.block = syn::parse_quote!({
+        #key_ty
+        ::core::unimplemented!()
+    });
+    function
+}
+
+/// The signature callers see: an `async fn` taking the inbox instead of the connection, without the
+/// `IdempotencyKey` parameter (the claim provides it), returning the outcome wrapped in `Handled`
+/// and `HandlerError`.
+fn rewrite_signature(outline: &Outline, function: &mut ItemFn) {
+    let Outline {
         krate,
-        consumer,
-        key,
         connection,
-        message,
         ok,
         err,
         declared_output,
-        store_response,
-        fingerprint,
         idempotency_key,
-    } = plan;
+    } = outline;
+    let fn_span = function.sig.fn_token.span;
+    function
+        .sig
+        .asyncness
+        .get_or_insert_with(|| syn::Token![async](fn_span));
     let private = quote!(#krate::__private);
-    let site = Span::mixed_site();
-    let inbox = format_ident!("inbox", span = site);
-    let claimed = format_ident!("__claimed", span = site);
-    let result = format_ident!("__result", span = site);
-    let builder = format_ident!("__key", span = site);
-    let fake_return = format_ident!("__fake_return", span = site);
-    let fingerprint_var = format_ident!("__fingerprint", span = site);
-
+    let inbox = format_ident!("inbox", span = Span::mixed_site());
     let connection_ty = &connection.ty;
-    let connection_pat = &connection.pat;
-    let connection_ref = &connection.reference;
-    let inbox_param: FnArg = syn::parse_quote_spanned! {connection_ref.span()=>
+    let inbox_param: FnArg = syn::parse_quote_spanned! {connection.reference.span()=>
         #inbox: &#private::InboxFor<#connection_ty>
     };
     if let Some(param) = function
@@ -73,18 +91,52 @@ fn rewrite(plan: &Plan, mut function: ItemFn) -> TokenStream {
     {
         *param = inbox_param;
     }
-    let hand_over_key = idempotency_key.as_ref().map(|(index, pat, ty)| {
+    if let Some((index, _, _)) = idempotency_key {
         function.sig.inputs = std::mem::take(&mut function.sig.inputs)
             .into_iter()
             .enumerate()
             .filter(|(i, _)| i != index)
             .map(|(_, arg)| arg)
             .collect();
-        quote! { let #pat: #ty = #claimed.idempotency_key(); }
-    });
+    }
     function.sig.output = syn::parse_quote_spanned! {declared_output.span()=>
         -> ::core::result::Result<#private::Handled<#ok>, #private::HandlerError<#err>>
     };
+}
+
+/// Replaces the connection parameter by the inbox and wraps the body in claim and commit.
+fn rewrite(plan: &Plan, mut function: ItemFn) -> TokenStream {
+    let Plan {
+        outline,
+        consumer,
+        key,
+        message,
+        store_response,
+        fingerprint,
+    } = plan;
+    let Outline {
+        krate,
+        connection,
+        ok,
+        err,
+        declared_output,
+        idempotency_key,
+    } = outline;
+    let private = quote!(#krate::__private);
+    let site = Span::mixed_site();
+    let inbox = format_ident!("inbox", span = site);
+    let claimed = format_ident!("__claimed", span = site);
+    let result = format_ident!("__result", span = site);
+    let builder = format_ident!("__key", span = site);
+    let fake_return = format_ident!("__fake_return", span = site);
+    let fingerprint_var = format_ident!("__fingerprint", span = site);
+
+    let connection_pat = &connection.pat;
+    let connection_ref = &connection.reference;
+    rewrite_signature(outline, &mut function);
+    let hand_over_key = idempotency_key
+        .as_ref()
+        .map(|(_, pat, ty)| quote! { let #pat: #ty = #claimed.idempotency_key(); });
 
     // A field access carries its literal's span, so that a missing field or a key type that is not
     // a `StableKey` is reported on the name the user wrote.
@@ -111,28 +163,55 @@ fn rewrite(plan: &Plan, mut function: ItemFn) -> TokenStream {
             quote!(::core::option::Option::Some(#private::fingerprint(&(#(#fields,)*))))
         }
     };
-    let (start, finish) = if *store_response {
-        (quote!(start_storing), quote!(finish_storing))
+    // With `store_response`, the storing calls are spanned on the `Ok` type and name it as their
+    // `T` (the second type parameter), so that rustc reports their bounds, which go through the
+    // same trait as the `storable` check, where that check is: a type that cannot be stored is
+    // one error, on the type the user wrote.
+    let (start, finish, storing_span) = if *store_response {
+        let on_ok = |function: TokenStream| {
+            let path = respan(quote!(#private::#function), ok.span());
+            quote_spanned!(ok.span()=> #path::<_, #ok, _>)
+        };
+        (
+            on_ok(quote!(start_storing)),
+            on_ok(quote!(finish_storing)),
+            ok.span(),
+        )
     } else {
-        (quote!(start), quote!(finish))
+        (
+            quote!(#private::start),
+            quote!(#private::finish),
+            Span::call_site(),
+        )
     };
     let handler_name = function.sig.ident.to_string();
-    // With `store_response`, a body value that cannot be stored is reported on the return type.
-    let finish_span = if *store_response {
-        ok.span()
-    } else {
-        Span::call_site()
+    let start_call = quote_spanned! {storing_span=>
+        #start(#inbox, #consumer, #builder, #fingerprint_var).await
     };
-    let finish = syn::Ident::new(&finish.to_string(), finish_span);
-    let finish_call = quote_spanned! {finish_span=>
-        #private::#finish(#claimed, #result, |__e: &#err| {
+    let finish_call = quote_spanned! {storing_span=>
+        #finish(#claimed, #result, |__e: &#err| {
             #[allow(unused_imports)]
             use #private::{ProbeAsRef as _, ProbeError as _, ProbeNone as _};
             (&&&#private::Probe(__e)).as_error()
         }).await
     };
+    // The consumer-name limit is the runtime's constant, checked at compile time on the literal.
+    let too_long = format!(
+        "#[idempotent(consumer = \"...\")] is {} bytes long, more than the inbox accepts (`MAX_CONSUMER_LEN` bytes)\nhelp: choose a shorter name; it is stored in every inbox row",
+        consumer.value().len()
+    );
+    let consumer_fits = quote_spanned! {consumer.span()=>
+        const _: () = ::core::assert!(#consumer.len() <= #private::MAX_CONSUMER_LEN, #too_long);
+    };
+    // With `store_response`, one check that the `Ok` type can be stored, on that type, before the
+    // calls whose bounds go through the same trait.
+    let storable = store_response.then(|| {
+        quote_spanned! {ok.span()=> #private::storable::<#ok>(); }
+    });
     let body = &function.block;
     let block = quote! {{
+        #consumer_fits
+        #storable
         let #builder = {
             let mut #builder = #private::KeyBuilder::new();
             #(#pushes)*
@@ -140,7 +219,7 @@ fn rewrite(plan: &Plan, mut function: ItemFn) -> TokenStream {
         };
         let #fingerprint_var = #fingerprint;
         #private::Instrument::instrument(async move {
-        let mut #claimed = match #private::#start(#inbox, #consumer, #builder, #fingerprint_var).await {
+        let mut #claimed = match #start_call {
             #private::Start::Claimed(claimed) => claimed,
             #private::Start::Done(outcome) => return outcome,
         };
@@ -169,4 +248,21 @@ fn rewrite(plan: &Plan, mut function: ItemFn) -> TokenStream {
     }};
     function.block = syn::parse2(block).expect("the generated body is a block");
     quote!(#function)
+}
+
+/// `tokens` with every span set to `span`: for the runtime's path, which names the same items from
+/// the user's `Ok` type as from the attribute.
+fn respan(tokens: TokenStream, span: Span) -> TokenStream {
+    tokens
+        .into_iter()
+        .map(|mut token| {
+            if let TokenTree::Group(group) = &token {
+                let mut group = Group::new(group.delimiter(), respan(group.stream(), span));
+                group.set_span(span);
+                token = TokenTree::Group(group);
+            }
+            token.set_span(span);
+            token
+        })
+        .collect()
 }

@@ -11,6 +11,7 @@ use proc_macro::TokenStream;
 mod ctxt;
 mod expand;
 mod parse;
+mod symbol;
 mod unstable;
 mod validate;
 

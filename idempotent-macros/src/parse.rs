@@ -8,10 +8,9 @@ use syn::spanned::Spanned;
 use syn::{Expr, ExprLit, FnArg, Lit, LitStr, Member, Meta, Pat, Token, Type};
 
 use crate::ctxt::Ctxt;
-
-/// The arguments a user may write, for the "unknown argument" error.
-pub(crate) const ARGUMENTS: &str =
-    "`key`, `consumer`, `fingerprint`, `store_response`, `allow_unstable_key` and `crate`";
+use crate::symbol::{
+    self, ALLOW_UNSTABLE_KEY, CONSUMER, CRATE, FINGERPRINT, KEY, STORE_RESPONSE, Symbol,
+};
 
 /// The attribute's arguments, each as written (or `None` when absent).
 #[derive(Default)]
@@ -84,18 +83,18 @@ pub(crate) fn args(cx: &mut Ctxt, tokens: TokenStream) -> Args {
     };
     for meta in metas {
         if let Meta::Path(path) = &meta {
-            if path.is_ident("store_response") {
+            if path == STORE_RESPONSE {
                 args.store_response.set(cx, path, path.span());
                 continue;
             }
-            if path.is_ident("fingerprint") {
+            if path == FINGERPRINT {
                 args.fingerprint.set(cx, path, Fingerprint::Whole);
                 continue;
             }
         }
         let Meta::NameValue(nv) = meta else {
             let path = meta.path();
-            if known(path) {
+            if symbol::is_argument(path) {
                 cx.error_spanned(
                     &meta,
                     format_args!(
@@ -109,29 +108,29 @@ pub(crate) fn args(cx: &mut Ctxt, tokens: TokenStream) -> Args {
             continue;
         };
         let name = &nv.path;
-        if name.is_ident("key") {
-            if let Some(key) = key(cx, &nv.value, "key") {
+        if name == KEY {
+            if let Some(key) = key(cx, &nv.value, KEY) {
                 args.key.set(cx, name, key);
             }
-        } else if name.is_ident("consumer") {
-            if let Some(lit) = string(cx, &nv.value, "consumer") {
+        } else if name == CONSUMER {
+            if let Some(lit) = string(cx, &nv.value, CONSUMER) {
                 args.consumer.set(cx, name, lit);
             }
-        } else if name.is_ident("fingerprint") {
-            if let Some(fields) = key(cx, &nv.value, "fingerprint") {
+        } else if name == FINGERPRINT {
+            if let Some(fields) = key(cx, &nv.value, FINGERPRINT) {
                 args.fingerprint.set(cx, name, Fingerprint::Fields(fields));
             }
-        } else if name.is_ident("store_response") {
+        } else if name == STORE_RESPONSE {
             cx.error_spanned(
                 &nv,
                 "#[idempotent(store_response)] takes no value\nhelp: write `store_response` to store the body's `Ok` value for duplicates",
             );
-        } else if name.is_ident("allow_unstable_key") {
-            if let Some(lit) = string(cx, &nv.value, "allow_unstable_key") {
+        } else if name == ALLOW_UNSTABLE_KEY {
+            if let Some(lit) = string(cx, &nv.value, ALLOW_UNSTABLE_KEY) {
                 args.allow_unstable_key.set(cx, name, lit);
             }
-        } else if name.is_ident("crate") {
-            if let Some(lit) = string(cx, &nv.value, "crate") {
+        } else if name == CRATE {
+            if let Some(lit) = string(cx, &nv.value, CRATE) {
                 match lit.parse::<syn::Path>() {
                     Ok(path) => args.krate.set(cx, name, path),
                     Err(_) => cx.error_spanned(
@@ -147,30 +146,18 @@ pub(crate) fn args(cx: &mut Ctxt, tokens: TokenStream) -> Args {
     args
 }
 
-fn known(path: &syn::Path) -> bool {
-    [
-        "key",
-        "consumer",
-        "allow_unstable_key",
-        "crate",
-        "fingerprint",
-        "store_response",
-    ]
-    .iter()
-    .any(|name| path.is_ident(name))
-}
-
 fn unknown(cx: &mut Ctxt, path: &syn::Path) {
     cx.error_spanned(
         path,
         format_args!(
-            "unknown argument `{}` in #[idempotent(...)]\nhelp: the arguments are {ARGUMENTS}",
-            quote::quote!(#path)
+            "unknown argument `{}` in #[idempotent(...)]\nhelp: the arguments are {}",
+            quote::quote!(#path),
+            symbol::argument_list(),
         ),
     );
 }
 
-fn string(cx: &mut Ctxt, value: &Expr, name: &str) -> Option<LitStr> {
+fn string(cx: &mut Ctxt, value: &Expr, name: Symbol) -> Option<LitStr> {
     match value {
         Expr::Lit(ExprLit {
             lit: Lit::Str(lit), ..
@@ -185,7 +172,7 @@ fn string(cx: &mut Ctxt, value: &Expr, name: &str) -> Option<LitStr> {
     }
 }
 
-fn key(cx: &mut Ctxt, value: &Expr, name: &str) -> Option<Key> {
+fn key(cx: &mut Ctxt, value: &Expr, name: Symbol) -> Option<Key> {
     let lits: Vec<&Expr> = match value {
         Expr::Tuple(tuple) if tuple.elems.is_empty() => {
             cx.error_spanned(
@@ -220,7 +207,7 @@ fn key(cx: &mut Ctxt, value: &Expr, name: &str) -> Option<Key> {
     Some(Key { paths })
 }
 
-fn key_path(cx: &mut Ctxt, lit: &LitStr, name: &str) -> Option<Vec<Member>> {
+fn key_path(cx: &mut Ctxt, lit: &LitStr, name: Symbol) -> Option<Vec<Member>> {
     let text = lit.value();
     let mut members = Vec::new();
     for part in text.split('.') {

@@ -8,27 +8,41 @@ use crate::ctxt::Ctxt;
 use crate::parse::{Args, Connection, Fingerprint, KeyPath, Output, Signature};
 use crate::unstable;
 
-/// Longest consumer name, as the runtime's `MAX_CONSUMER_LEN`.
-const MAX_CONSUMER_LEN: usize = 200;
-
 /// Everything code generation needs, all of it checked.
 pub(crate) struct Plan {
-    pub(crate) krate: syn::Path,
+    /// The signature callers see.
+    pub(crate) outline: Outline,
     pub(crate) consumer: LitStr,
     pub(crate) key: Vec<KeyPath>,
-    pub(crate) connection: Connection,
     pub(crate) message: syn::Ident,
+    /// Store the body's `Ok` value for duplicates.
+    pub(crate) store_response: bool,
+    /// The fields to fingerprint (empty: the whole message), if any.
+    pub(crate) fingerprint: Option<Vec<KeyPath>>,
+}
+
+/// The rewritten signature: what callers of the handler see. It needs only the connection
+/// parameter, the message parameter and the return type to be read, so it is known even when
+/// other parts of the attribute are wrong.
+pub(crate) struct Outline {
+    pub(crate) krate: syn::Path,
+    pub(crate) connection: Connection,
     /// `Ok` and `Err` types of the declared return type.
     pub(crate) ok: Type,
     pub(crate) err: Type,
     /// The declared return type, for the body's type.
     pub(crate) declared_output: Type,
-    /// Store the body's `Ok` value for duplicates.
-    pub(crate) store_response: bool,
-    /// The fields to fingerprint (empty: the whole message), if any.
-    pub(crate) fingerprint: Option<Vec<KeyPath>>,
     /// The parameter the idempotency key is handed in.
     pub(crate) idempotency_key: Option<(usize, Box<syn::Pat>, Box<Type>)>,
+}
+
+/// What validation gives back when it found mistakes.
+pub(crate) struct Rejected {
+    /// Every mistake, combined.
+    pub(crate) errors: syn::Error,
+    /// The rewritten signature, if the handler's signature could be read, so that its callers see
+    /// the function they expect and the mistakes are the only errors.
+    pub(crate) outline: Option<Box<Outline>>,
 }
 
 /// Checks everything and reports every problem at once.
@@ -37,7 +51,7 @@ pub(crate) fn plan(
     args: Args,
     sig: &syn::Signature,
     parsed: Signature,
-) -> syn::Result<Plan> {
+) -> Result<Plan, Rejected> {
     if sig.asyncness.is_none() {
         cx.error_spanned(
             sig.fn_token,
@@ -83,28 +97,36 @@ pub(crate) fn plan(
             None
         }
     };
-    cx.check()?;
-    let (Some(consumer), Some(key), Ok(connection), Ok(message), Some((ok, err))) =
-        (consumer, key, connection, message, output)
+    let outline = match (connection, &message, output, &sig.output) {
+        (Ok(connection), Ok(_), Some((ok, err)), syn::ReturnType::Type(_, declared)) => {
+            Some(Outline {
+                krate,
+                connection,
+                ok,
+                err,
+                declared_output: (**declared).clone(),
+                idempotency_key: parsed.idempotency_key,
+            })
+        }
+        _ => None,
+    };
+    if let Err(errors) = cx.check() {
+        return Err(Rejected {
+            errors,
+            outline: outline.map(Box::new),
+        });
+    }
+    let (Some(outline), Some(consumer), Some(key), Ok(message)) = (outline, consumer, key, message)
     else {
         unreachable!("every missing piece recorded an error");
     };
-    let declared_output = match &sig.output {
-        syn::ReturnType::Type(_, ty) => (**ty).clone(),
-        syn::ReturnType::Default => unreachable!("a missing return type recorded an error"),
-    };
     Ok(Plan {
-        krate,
+        outline,
         consumer,
         key,
-        connection,
         message,
-        ok,
-        err,
-        declared_output,
         store_response: args.store_response.value.is_some(),
         fingerprint,
-        idempotency_key: parsed.idempotency_key,
     })
 }
 
@@ -120,16 +142,18 @@ fn consumer(cx: &mut Ctxt, consumer: Option<LitStr>) -> Option<LitStr> {
         );
         return None;
     };
+    // The length limit is the runtime's `MAX_CONSUMER_LEN`, which the generated code asserts.
     let value = consumer.value();
     if value.trim().is_empty() {
         cx.error_spanned(
             &consumer,
             "#[idempotent(consumer = \"...\")] must not be empty",
         );
-    } else if value.len() > MAX_CONSUMER_LEN {
+    }
+    if value.contains('\0') {
         cx.error_spanned(
             &consumer,
-            "#[idempotent(consumer = \"...\")] must be at most 200 bytes long",
+            "#[idempotent(consumer = \"...\")] must not contain a NUL byte\nhelp: the name is stored as database text, which cannot hold `\\0` in PostgreSQL; remove it",
         );
     }
     Some(consumer)

@@ -10,6 +10,7 @@ use crate::key::{KeyError, MessageKey};
 use crate::store::Backend;
 
 pub use crate::error::Error as HandlerError;
+pub use crate::inbox::MAX_CONSUMER_LEN;
 pub use crate::inbox::{Handled, InboxFor};
 pub use crate::key::{IdempotencyKey, KeyBuilder};
 pub use sqlx;
@@ -58,8 +59,26 @@ pub async fn start<DB: Backend, T, E>(
     claim(inbox, consumer, key, fingerprint, false, |_| Ok(None)).await
 }
 
+/// A handler's `Ok` type under `store_response`: stored as JSON with the inbox row, and read back
+/// for duplicates. The storing functions' bounds go through it too, so that a type that cannot be
+/// stored is one error, at [`storable`] on the handler's return type.
+#[diagnostic::on_unimplemented(
+    message = "`#[idempotent(store_response)]` stores the handler's `Ok` value, and `{Self}` cannot be stored",
+    label = "not `Serialize + DeserializeOwned`",
+    note = "the value is stored as JSON (`serde::Serialize`) and read back for duplicates (`serde::Deserialize`); derive both for it, or remove `store_response`"
+)]
+pub trait Storable: Serialize + DeserializeOwned {}
+
+// `do_not_recommend`: rustc reports the unmet `T: Storable` itself, with the message above, rather
+// than each serde bound under it, so that a type missing both is one error.
+#[diagnostic::do_not_recommend]
+impl<T: Serialize + DeserializeOwned> Storable for T {}
+
+/// Checks that a handler's `Ok` type is [`Storable`]; the macro spans the call on that type.
+pub fn storable<T: Storable>() {}
+
 /// Checks the key and claims it; a duplicate carries the first call's stored response.
-pub async fn start_storing<DB: Backend, T: DeserializeOwned, E>(
+pub async fn start_storing<DB: Backend, T: Storable, E>(
     inbox: &Inbox<DB>,
     consumer: &str,
     key: Result<MessageKey, KeyError>,
@@ -178,7 +197,7 @@ pub async fn finish<DB: Backend, T, E>(
 }
 
 /// [`finish`], storing the `Ok` value (as JSON) with the inbox row.
-pub async fn finish_storing<DB: Backend, T: Serialize, E>(
+pub async fn finish_storing<DB: Backend, T: Storable, E>(
     claimed: Claimed<DB>,
     result: Result<T, E>,
     as_error: impl for<'a> FnOnce(&'a E) -> Option<&'a (dyn std::error::Error + 'static)>,

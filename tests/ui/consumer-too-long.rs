@@ -1,0 +1,16 @@
+use idempotent::idempotent;
+
+struct Msg {
+    message_id: String,
+}
+
+#[idempotent(
+    key = "message_id",
+    consumer = "orders-orders-orders-orders-orders-orders-orders-orders-orders-orders-orders-orders-orders-orders-orders-orders-orders-orders-orders-orders-orders-orders-orders-orders-orders-orders-orders-orders-orders-orders-orders-orders-orders"
+)]
+async fn handle(tx: &mut sqlx::SqliteConnection, msg: &Msg) -> Result<(), sqlx::Error> {
+    let _ = (tx, msg);
+    Ok(())
+}
+
+fn main() {}
