@@ -66,3 +66,108 @@ async fn a_session_that_lost_its_prepared_claim_prepares_it_again() {
     claimed.commit().await.unwrap();
     assert_eq!(h.effects("before").await + h.effects("after").await, 2);
 }
+
+/// After a body's `DEALLOCATE ALL`, sqlx's cache of the session's prepared statements is stale.
+/// The claim recovers (it forgets the statements and claims again), a body whose statements hit
+/// the stale cache gets a retryable outcome, and the worker's one connection keeps working.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_that_deallocates_every_statement_breaks_no_later_claim() {
+    use idempotent::{Error, Handled, InboxError};
+    use support::{Behaviour, Consumer, Delivery, Harness, Step};
+
+    let h = PgHarness::new().await;
+    let worker = h.inbox_of_one().for_worker();
+    let deliver = async |msg: &Delivery| h.deliver_on(&worker, Consumer::Orders, msg).await;
+    let deallocate = |label: &str, then: &[Step]| {
+        let mut steps = vec![Step::Effect("orders"), Step::Sql("DEALLOCATE ALL")];
+        steps.extend_from_slice(then);
+        Delivery::new(label).behaving(Behaviour::Script(steps))
+    };
+    // Every statement of a delivery prepared and cached on the one connection.
+    assert!(
+        deliver(&Delivery::new("warm"))
+            .await
+            .unwrap()
+            .is_processed()
+    );
+
+    // The commit's own check is not among the cached statements.
+    let outcome = deliver(&deallocate("deallocates", &[])).await;
+    assert!(matches!(outcome, Ok(Handled::Processed(()))), "{outcome:?}");
+    // The next claim finds its statement gone, forgets the cache and claims again.
+    assert!(
+        deliver(&Delivery::new("after"))
+            .await
+            .unwrap()
+            .is_processed()
+    );
+
+    // A body whose own cached statement is gone: swallowed, the transaction is aborted.
+    let error = deliver(&deallocate("then-swallows", &[Step::Effect("orders")]))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(error, Error::Inbox(InboxError::TransactionAborted)),
+        "{error:?}"
+    );
+    assert!(error.is_retryable());
+    // The claim after it recovers again.
+    assert!(
+        deliver(&Delivery::new("recovers"))
+            .await
+            .unwrap()
+            .is_processed()
+    );
+    for label in ["warm", "deallocates", "after", "recovers"] {
+        assert_eq!(h.effects_of("orders", label).await, 1, "{label}");
+    }
+    assert_eq!(h.effects_of("orders", "then-swallows").await, 0);
+    let retry = deliver(&Delivery::new("then-swallows")).await;
+    assert!(matches!(retry, Ok(Handled::Processed(()))), "{retry:?}");
+}
+
+/// A handler whose body deallocates the session's statements and then runs one of them: its
+/// error is transient whatever its type, and the next call on the pool of one gets a fresh
+/// connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_statement_that_lost_its_prepared_statement_is_retryable() {
+    use idempotent::{Error, idempotent};
+    use support::{Consumer, Delivery, Harness, TestError};
+
+    #[idempotent(key = "message_id", consumer = "orders")]
+    async fn stale(tx: &mut sqlx::PgConnection, msg: &Delivery) -> Result<(), TestError> {
+        use sqlx::Executor;
+        tx.execute("DEALLOCATE ALL").await?;
+        // The statement the `orders` handler prepared on this connection.
+        sqlx::query("INSERT INTO effects (consumer, label) VALUES ($1, $2)")
+            .bind("orders")
+            .bind(&msg.label)
+            .execute(&mut *tx)
+            .await?;
+        Ok(())
+    }
+
+    let h = PgHarness::new().await;
+    let inbox = h.inbox_of_one();
+    // The effect's statement is prepared and cached on the one connection.
+    assert!(
+        h.deliver_on(&inbox, Consumer::Orders, &Delivery::new("warm"))
+            .await
+            .unwrap()
+            .is_processed()
+    );
+    let error = stale(&inbox, &Delivery::new("stale")).await.unwrap_err();
+    assert!(
+        matches!(error, Error::Transient(TestError::Db(_))),
+        "{error:?}"
+    );
+    assert!(error.is_retryable());
+    assert_eq!(h.effects("stale").await, 0);
+    // A fresh connection: the same statement is prepared again and the retry goes through.
+    let retry = h
+        .deliver_on(&inbox, Consumer::Orders, &Delivery::new("stale"))
+        .await
+        .unwrap();
+    assert!(retry.is_processed());
+    assert_eq!(h.effects("stale").await, 1);
+}

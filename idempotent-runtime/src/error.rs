@@ -125,10 +125,10 @@ pub enum InboxError {
         /// The claim was committed with whatever the body had done before it ended the
         /// transaction: a redelivery is a duplicate, though the effect may be incomplete.
         key_committed: bool,
-        /// Writes the body made after the end could not commit on their own: MySQL and MariaDB
-        /// refuse them (the session is read-only around the inbox's transaction), SQLite's commit
-        /// hook refuses their commits. On PostgreSQL a write after the body's own `COMMIT` or
-        /// `ROLLBACK` commits on its own: this is `false` there.
+        /// Writes the body made after the end could not commit on their own, and were rolled
+        /// back: on MySQL and MariaDB autocommit is off around the inbox's transaction, SQLite's
+        /// commit hook refuses their commits. On PostgreSQL a write after the body's own `COMMIT`
+        /// or `ROLLBACK` commits on its own: this is `false` there.
         later_writes_refused: bool,
     },
     /// Another attempt holds a live lease on this call to an outside service; try again after

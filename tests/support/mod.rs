@@ -129,9 +129,20 @@ pub trait Harness {
     /// How many rows the inbox table holds.
     fn inbox_rows(&self) -> impl Future<Output = i64>;
 
-    /// A new inbox on the same database whose pool has one connection (and gives up waiting for
-    /// it after a few seconds).
-    fn inbox_of_one(&self) -> Inbox<Self::Db>;
+    /// A new inbox on the same database whose pool has `connections` connections (and gives up
+    /// waiting for one after a few seconds). The in-memory SQLite inbox has one, whatever is asked.
+    fn inbox_with_pool(&self, connections: u32) -> Inbox<Self::Db>;
+
+    /// [`inbox_with_pool`](Harness::inbox_with_pool) with one connection.
+    fn inbox_of_one(&self) -> Inbox<Self::Db> {
+        self.inbox_with_pool(1)
+    }
+
+    /// How many times `consumer`'s effect was committed, per label.
+    fn effect_counts(
+        &self,
+        consumer: &str,
+    ) -> impl Future<Output = std::collections::HashMap<String, i64>>;
 
     /// Calls the `quotes` handler on `inbox`.
     fn deliver_quote_on(
@@ -404,6 +415,20 @@ macro_rules! harness_methods {
             .fetch_one(&self.pool)
             .await
             .unwrap()
+        }
+
+        async fn effect_counts(&self, consumer: &str) -> std::collections::HashMap<String, i64> {
+            sqlx::query_as::<_, (String, i64)>(concat!(
+                "SELECT label, COUNT(*) FROM effects WHERE consumer = ",
+                $p1,
+                " GROUP BY label"
+            ))
+            .bind(consumer)
+            .fetch_all(&self.pool)
+            .await
+            .unwrap()
+            .into_iter()
+            .collect()
         }
 
         async fn inbox_rows(&self) -> i64 {

@@ -81,9 +81,9 @@ impl Harness for PgHarness {
 
     type Db = Postgres;
 
-    fn inbox_of_one(&self) -> Inbox<Self::Db> {
+    fn inbox_with_pool(&self, connections: u32) -> Inbox<Self::Db> {
         let pool = PgPoolOptions::new()
-            .max_connections(1)
+            .max_connections(connections)
             .acquire_timeout(Duration::from_secs(5))
             .connect_lazy_with(self.pool.connect_options().as_ref().clone());
         Inbox::new(pool)

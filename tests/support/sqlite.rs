@@ -72,12 +72,12 @@ impl Harness for SqliteHarness {
 
     type Db = Sqlite;
 
-    fn inbox_of_one(&self) -> Inbox<Self::Db> {
+    fn inbox_with_pool(&self, connections: u32) -> Inbox<Self::Db> {
         if self._dir.is_none() {
             return self.inbox.clone(); // the in-memory database has one connection already
         }
         let pool = SqlitePoolOptions::new()
-            .max_connections(1)
+            .max_connections(connections)
             .acquire_timeout(Duration::from_secs(5))
             .connect_lazy_with(self.pool.connect_options().as_ref().clone());
         Inbox::new(pool)

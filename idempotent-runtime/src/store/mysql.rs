@@ -1,7 +1,7 @@
 //! The inbox on MySQL and MariaDB (InnoDB).
 //!
-//! The handler's transaction begins with `SET SESSION TRANSACTION READ ONLY; START TRANSACTION READ
-//! WRITE; SAVEPOINT idempotent_claim`, in one message. The claim is then `INSERT IGNORE` on the
+//! The handler's transaction begins with `SET autocommit = 0; START TRANSACTION; SAVEPOINT
+//! idempotent_claim`, in one message. The claim is then `INSERT IGNORE` on the
 //! primary key, as the first statement of the transaction; `rows_affected() == 1` means this call
 //! inserted the row. (sqlx sets
 //! `CLIENT_FOUND_ROWS`, which is why `ON DUPLICATE KEY UPDATE` cannot tell a claim from a
@@ -24,15 +24,17 @@
 //! -- and `idempotent_inbox_calls` as on PostgreSQL, with binary names and LONGBLOB results
 //! ```
 //!
-//! Why the session is read-only around the transaction: InnoDB rolls back the *whole* transaction
-//! on a deadlock (1213, and on Galera a brute-force abort), and some statements commit it
-//! implicitly (`BEGIN`, `CREATE TABLE`, `TRUNCATE`, …). A body that ignores such an error, or runs
-//! such a statement, would otherwise go on writing in autocommit mode, each write committed on its
-//! own, without the key. With the session read-only, those writes fail (error 1792) instead. The
-//! savepoint marks the transaction: the commit is `RELEASE SAVEPOINT idempotent_claim; COMMIT; SET
-//! SESSION TRANSACTION READ WRITE` in one message, and the release fails when the transaction is
-//! not the one the inbox began, so that it is rolled back and reported, never counted as processed.
-//! Every end of the transaction sets the session back to read-write.
+//! Why autocommit is off around the transaction: InnoDB rolls back the *whole* transaction on a
+//! deadlock (1213, and on Galera a brute-force abort or a certification conflict), and some
+//! statements commit it implicitly (`BEGIN`, `CREATE TABLE`, `TRUNCATE`, …). A body that ignores
+//! such an error, or runs such a statement, would otherwise go on writing in autocommit mode, each
+//! write committed on its own, without the key. With autocommit off, those writes go into a new
+//! transaction that only a `COMMIT` would commit. (A session made read-only would not do: MariaDB
+//! keeps a rolled-back transaction's `READ WRITE` for the statements after it.) The savepoint
+//! marks the transaction: the commit is `RELEASE SAVEPOINT idempotent_claim; COMMIT; SET
+//! autocommit = 1` in one message, and the release fails when the transaction is not the one the
+//! inbox began, so that what is open is rolled back and reported, never counted as processed. Every
+//! end of the transaction turns autocommit back on.
 //!
 //! Only one instance purges a table at a time: the purger holds a `GET_LOCK` named after the
 //! database and the table while it runs (closing its session if the purge is dropped half-way, as
@@ -56,11 +58,10 @@ const PURGE_LOCK_NAME: &str =
     "CONCAT('idempotent_purge_', LEFT(SHA1(CONCAT(DATABASE(), '.', ?)), 40))";
 
 /// Commits the transaction if it is still the one the inbox began, and sets the session back.
-const COMMIT: &str =
-    "RELEASE SAVEPOINT idempotent_claim; COMMIT; SET SESSION TRANSACTION READ WRITE";
+const COMMIT: &str = "RELEASE SAVEPOINT idempotent_claim; COMMIT; SET autocommit = 1";
 
 /// Rolls back whatever is open, and sets the session back.
-const ROLLBACK: &str = "ROLLBACK; SET SESSION TRANSACTION READ WRITE";
+const ROLLBACK: &str = "ROLLBACK; SET autocommit = 1";
 
 /// `SAVEPOINT … does not exist`: the transaction is not the one that set it.
 const ER_SP_DOES_NOT_EXIST: u16 = 1305;
@@ -85,8 +86,7 @@ impl Store for MySql {
 
     const REFUSES_LATER_WRITES: bool = true;
 
-    const BEGIN: &'static str = "SET SESSION TRANSACTION READ ONLY; START TRANSACTION READ WRITE; \
-         SAVEPOINT idempotent_claim";
+    const BEGIN: &'static str = "SET autocommit = 0; START TRANSACTION; SAVEPOINT idempotent_claim";
 
     type Settings = ();
     type Watch = ();
@@ -207,7 +207,7 @@ impl Store for MySql {
     }
 }
 
-/// Rolls back whatever is open and sets the session back to read-write.
+/// Rolls back whatever is open and turns autocommit back on.
 async fn end(conn: &mut MySqlConnection) -> Result<(), sqlx::Error> {
     conn.execute(ROLLBACK).await?;
     forget_transaction(conn);

@@ -52,7 +52,7 @@
 
 use sha2::{Digest, Sha256};
 use sqlx::postgres::{PgConnection, PgDatabaseError, PgTransactionManager};
-use sqlx::{AssertSqlSafe, Executor, PgPool, Postgres};
+use sqlx::{AssertSqlSafe, Executor, PgPool, Postgres, Row};
 use sqlx_core::transaction::TransactionManager;
 
 use super::{Backend, Dialect, Ending, HandlerConnection, Statements, Store};
@@ -66,9 +66,6 @@ const MIGRATE_LOCK: i64 = 0x1de4_7e47_0001;
 /// The purger's advisory lock, given the quoted table name: the pair (a constant, the table's
 /// OID), so that tables of the same name in different schemas purge independently.
 const PURGE_LOCK_KEY: &str = "1768453, coalesce(to_regclass($1)::oid::int, 0)";
-
-/// The mark a transaction of the inbox sets on itself, and reads back before it commits.
-const MARK: &str = "idempotent.claim";
 
 impl HandlerConnection for PgConnection {
     type Backend = Postgres;
@@ -152,11 +149,11 @@ impl Store for Postgres {
     }
 
     async fn commit(conn: &mut PgConnection, _watch: &()) -> Result<Ending, sqlx::Error> {
-        let mark: Result<Option<String>, _> =
-            sqlx::query_scalar("SELECT current_setting($1, true)")
-                .bind(MARK)
-                .fetch_one(&mut *conn)
-                .await;
+        // Unprepared: a body's `DEALLOCATE ALL` cannot leave it stale in sqlx's statement cache.
+        let mark = sqlx::raw_sql("SELECT current_setting('idempotent.claim', true)")
+            .fetch_one(&mut *conn)
+            .await
+            .and_then(|row| row.try_get::<Option<String>, _>(0));
         let ending = match mark {
             Ok(Some(mark)) if mark == "on" => {
                 PgTransactionManager::commit(conn).await?;
