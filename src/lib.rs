@@ -55,17 +55,28 @@
 //! 1. computes the key from the message's fields (an empty string key is an
 //!    [`InboxError::Key`] error, before any database work);
 //! 2. begins a transaction and claims `(consumer, key)` in the inbox table, as its first
-//!    statement, an insert on the primary key: on PostgreSQL a prepared `INSERT` sent in one
-//!    message with the `BEGIN` (no round trip of its own; the `postgres` module says what that trades,
-//!    and `Inbox::with_separate_claim` claims with `INSERT … ON CONFLICT DO NOTHING` instead),
-//!    SQLite `INSERT OR IGNORE` after `BEGIN IMMEDIATE`, MySQL `INSERT IGNORE`. A concurrent call
-//!    with the same key waits there until the first one commits or rolls back;
+//!    statement, an insert on the primary key with the database's own conflict handling:
+//!    PostgreSQL `INSERT … ON CONFLICT DO NOTHING` (prepared once per session;
+//!    `Inbox::with_pipelined_claim` sends it with the `BEGIN`, at the price the `postgres` module
+//!    describes), SQLite `INSERT OR IGNORE` after `BEGIN IMMEDIATE`, MySQL `INSERT IGNORE`. A
+//!    concurrent call with the same key waits there until the first one commits or rolls back;
 //! 3. if the key was already claimed, rolls back and returns [`Handled::Duplicate`]; the body does
 //!    not run;
-//! 4. otherwise runs the body on the same transaction, and commits the body's work together with
-//!    the inbox row when the body returns `Ok(v)`, returning [`Handled::Processed(v)`](Handled);
-//! 5. when the body returns `Err(e)`, rolls back and returns [`Error::Handler(e)`](Error); a panic or
-//!    a dropped future rolls back too. The key stays unclaimed, so a redelivery runs the body again.
+//! 4. otherwise runs the body on the same transaction; when the body returns `Ok(v)`, checks that
+//!    the transaction is still the one it began with nothing failed in it, and commits the body's
+//!    work together with the inbox row, returning [`Handled::Processed(v)`](Handled). A body that
+//!    carried on after a failed statement, or ended the transaction itself, gets
+//!    [`InboxError::TransactionAborted`] or [`InboxError::TransactionEnded`] instead: never
+//!    `Processed` for work that was not committed;
+//! 5. when the body returns `Err(e)`, rolls back and returns [`Error::Handler(e)`](Error), or
+//!    [`Error::Transient(e)`](Error) when the database failed under the body (a lost connection, a
+//!    deadlock, a serialization failure, found in `e`'s sources whatever its type); a panic or a
+//!    dropped future rolls back too. The key stays unclaimed, so a redelivery runs the body again.
+//!
+//! A consumer acknowledges `Ok` outcomes, redelivers after a back-off what
+//! [`Error::is_retryable`] says may succeed, and dead-letters the rest. A body must not end the
+//! transaction (`COMMIT`, `ROLLBACK`, on MySQL a statement that commits implicitly); nested
+//! transactions (`tx.begin()`) are savepoints and fine.
 //!
 //! # Keys
 //! - `key = "message_id"`: a field of the message; `key = "meta.message_id"`: a nested field;
@@ -135,10 +146,11 @@
 pub use idempotent_macros::idempotent;
 
 pub use idempotent_runtime::{
-    Backend, CallLease, CallStart, Claim, ClaimOptions, Claimed, ClaimedBatch, CorrelationId,
-    DeliveryTag, Error, Handled, HandlerConnection, IdempotencyKey, Inbox, InboxError, InboxFor,
-    KeyBuilder, KeyError, MAX_CONSUMER_LEN, MessageKey, MetricsSnapshot, PurgeReport, Purger,
-    PurgerOptions, Retention, StableKey, Stage, TableName, calls, is_retryable, key, message_key,
+    AsMessageKey, Backend, CallLease, CallStart, Claim, ClaimOptions, Claimed, ClaimedBatch,
+    CorrelationId, DeliveryTag, Error, Fault, Handled, HandlerConnection, IdempotencyKey, Inbox,
+    InboxError, InboxFor, KeyBuilder, KeyError, MAX_CONSUMER_LEN, MessageKey, MetricsSnapshot,
+    PurgeReport, Purger, PurgerOptions, Retention, StableKey, Stage, TableName, calls,
+    is_retryable, key, message_key,
 };
 
 #[cfg(feature = "mysql")]

@@ -226,3 +226,38 @@ async fn count(h: &PgHarness, label: &str) -> (i64, i64) {
         .unwrap();
     (effects, rows)
 }
+
+/// A message whose fingerprint cannot be computed (serde_json refuses a map with non-string keys)
+/// is refused with the fingerprint's own error, before any database work.
+#[tokio::test]
+async fn a_message_that_cannot_be_fingerprinted_is_refused_before_any_work() {
+    use std::collections::BTreeMap;
+
+    #[derive(serde::Serialize)]
+    struct Order {
+        message_id: String,
+        lines: BTreeMap<(u32, u32), u32>,
+    }
+
+    #[idempotent(key = "message_id", consumer = "orders", fingerprint)]
+    async fn take_order(tx: &mut sqlx::SqliteConnection, msg: &Order) -> Result<(), ShopError> {
+        sqlx::query("INSERT INTO effects (consumer, label) VALUES ('orders', $1)")
+            .bind(&msg.message_id)
+            .execute(&mut *tx)
+            .await?;
+        Ok(())
+    }
+
+    let h = SqliteHarness::new().await;
+    let order = Order {
+        message_id: "o-1".into(),
+        lines: BTreeMap::from([((1, 2), 3)]),
+    };
+    let error = take_order(&h.inbox, &order).await.unwrap_err();
+    assert!(
+        matches!(error, Error::Inbox(InboxError::Fingerprint { .. })),
+        "{error:?}"
+    );
+    assert!(!error.is_retryable());
+    assert!(!h.inbox.is_processed("orders", "o-1").await.unwrap());
+}

@@ -171,3 +171,32 @@ async fn a_body_statement_that_lost_its_prepared_statement_is_retryable() {
     assert!(retry.is_processed());
     assert_eq!(h.effects("stale").await, 1);
 }
+
+/// A response that cannot be stored says so, at its own stage: here a body that carried on after
+/// a failed statement left the transaction aborted, so storing its response fails; retryable,
+/// nothing committed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_response_that_cannot_be_stored_fails_at_its_own_stage() {
+    use idempotent::{Error, InboxError, Stage};
+    use support::{Behaviour, Delivery, Harness, Step};
+
+    let h = PgHarness::new().await;
+    let msg = Delivery::new("unstorable").behaving(Behaviour::Script(vec![
+        Step::Effect("quotes"),
+        Step::Sql("INSERT INTO uniques (id) VALUES (1)"),
+    ]));
+    let error = h.deliver_quote(&msg).await.unwrap_err();
+    assert!(
+        matches!(
+            error,
+            Error::Inbox(InboxError::Database {
+                stage: Stage::StoreResponse,
+                ..
+            })
+        ),
+        "{error:?}"
+    );
+    assert!(error.is_retryable());
+    assert_eq!(h.effects("unstorable").await, 0);
+    assert!(!h.inbox.is_processed("quotes", "unstorable").await.unwrap());
+}

@@ -72,7 +72,7 @@ pub(crate) fn plan(
     let connection = parsed.connection.map_err(|span| {
         cx.error(
             span,
-            "#[idempotent] handlers take the transaction's connection as their first parameter\nhelp: write `tx: &mut sqlx::PgConnection` (or `&mut sqlx::SqliteConnection`) before the message",
+            "#[idempotent] handlers take the transaction's connection as their first parameter\nhelp: write `tx: &mut sqlx::PgConnection` (or `&mut sqlx::SqliteConnection`, `&mut sqlx::MySqlConnection`) before the message",
         )
     });
     let message = parsed.message.map_err(|span| {

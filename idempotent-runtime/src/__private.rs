@@ -56,7 +56,7 @@ pub async fn start<DB: Backend, T, E>(
     key: Result<MessageKey, KeyError>,
     fingerprint: Option<Result<[u8; 32], InboxError>>,
 ) -> Start<DB, T, E> {
-    claim(inbox, consumer, key, fingerprint, false, |_| Ok(None)).await
+    claim_or_finish(inbox, consumer, key, fingerprint, false, |_| Ok(None)).await
 }
 
 /// A handler's `Ok` type under `store_response`: stored as JSON with the inbox row, and read back
@@ -84,13 +84,13 @@ pub async fn start_storing<DB: Backend, T: Storable, E>(
     key: Result<MessageKey, KeyError>,
     fingerprint: Option<Result<[u8; 32], InboxError>>,
 ) -> Start<DB, T, E> {
-    claim(inbox, consumer, key, fingerprint, true, |response| {
+    claim_or_finish(inbox, consumer, key, fingerprint, true, |response| {
         response.as_deref().map(decode_response).transpose()
     })
     .await
 }
 
-async fn claim<DB: Backend, T, E>(
+async fn claim_or_finish<DB: Backend, T, E>(
     inbox: &Inbox<DB>,
     consumer: &str,
     key: Result<MessageKey, KeyError>,

@@ -224,7 +224,7 @@ impl<DB: Backend> Inbox<DB> {
         if !span.is_disabled() {
             span.record("key", tracing::field::display(key.digest()));
         }
-        let claimed = InboxTransaction::claim(
+        let claimed = InboxTransaction::begin_claim(
             self.resources(),
             &self.config.statements,
             &self.config.settings,
@@ -406,6 +406,60 @@ impl<DB: Backend> fmt::Debug for Inbox<DB> {
             .field("retention", &self.config.retention)
             .field("for_worker", &self.worker.is_some())
             .finish_non_exhaustive()
+    }
+}
+
+#[cfg(feature = "sqlite")]
+#[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
+impl Inbox<sqlx::Sqlite> {
+    /// An inbox in a private in-memory SQLite database, migrated, for the unit tests of your own
+    /// handlers (those taking `&mut sqlx::SqliteConnection`): create your tables on
+    /// [`pool()`](Inbox::pool) and call the handlers with it. The database has one
+    /// connection, so concurrent calls take turns (one that waits more than 5 seconds for it fails
+    /// with a retryable pool timeout), and it is gone when the last clone is dropped. A worker's
+    /// inbox ([`for_worker`](Inbox::for_worker)) keeps that connection between its
+    /// messages, and the inbox's own reads use it too, but your queries on the pool wait until the
+    /// worker's inbox is dropped.
+    /// It behaves like the file-based inbox (the conformance suite runs on it), but it proves
+    /// nothing about your production database.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let inbox = idempotent_runtime::Inbox::<sqlx::Sqlite>::in_memory().await?;
+    /// sqlx::query("CREATE TABLE orders (id INTEGER PRIMARY KEY)").execute(inbox.pool()).await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn in_memory() -> Result<Self, InboxError> {
+        let pool = sqlx::sqlite::SqlitePoolOptions::new()
+            .max_connections(1)
+            .min_connections(1)
+            .idle_timeout(None)
+            .max_lifetime(None)
+            // The pool's check of a connection as it is taken is a step that, cancelled (a
+            // timeout around a handler), closes the connection: that would be the database.
+            .test_before_acquire(false)
+            .acquire_timeout(std::time::Duration::from_secs(5))
+            .connect("sqlite::memory:")
+            .await
+            .map_err(database_error(Stage::Migrate))?;
+        let inbox = Self::new(pool);
+        inbox.migrate().await?;
+        Ok(inbox)
+    }
+}
+
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+impl Inbox<sqlx::Postgres> {
+    /// The same inbox, sending the claim in one message with its `BEGIN`: one round trip less per
+    /// message, at the price the [`postgres` module docs](crate::postgres) describe (a committed duplicate is reported by
+    /// the server as a unique violation, which it logs at `ERROR` with the statement, and leaves a
+    /// dead row version). Both claims wait for a concurrent claim of the same key in the same way.
+    /// (Only PostgreSQL has it: its protocol lets the claim ride in the `BEGIN`'s message while
+    /// the inbox still learns the outcome, from the statement's error.)
+    pub fn with_pipelined_claim(self) -> Self {
+        self.with_settings(|_| crate::store::postgres::pipelined())
     }
 }
 

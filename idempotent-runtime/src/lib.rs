@@ -25,7 +25,9 @@ pub use batch::ClaimedBatch;
 pub use calls::{CallLease, CallStart};
 pub use error::{Error, Fault, InboxError, Stage};
 pub use inbox::{Claim, ClaimOptions, Claimed, Handled, Inbox, InboxFor, MAX_CONSUMER_LEN};
-pub use key::{IdempotencyKey, KeyBuilder, KeyError, MessageKey, StableKey, message_key};
+pub use key::{
+    AsMessageKey, IdempotencyKey, KeyBuilder, KeyError, MessageKey, StableKey, message_key,
+};
 pub use markers::{CorrelationId, DeliveryTag};
 pub use metrics::MetricsSnapshot;
 pub use retention::{PurgeReport, Purger, PurgerOptions, Retention};

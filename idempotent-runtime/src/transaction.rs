@@ -68,8 +68,7 @@ pub(crate) type Committed<DB> = Result<(Ending, Session<DB>), sqlx::Error>;
 
 impl<DB: Backend> InboxTransaction<DB> {
     /// Takes a connection, begins a transaction and claims `key` for `consumer` in it.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) async fn claim(
+    pub(crate) async fn begin_claim(
         with: Resources<'_, DB>,
         statements: &Statements,
         settings: &DB::Settings,
@@ -207,7 +206,7 @@ impl<DB: Backend> InboxTransaction<DB> {
         for attempt in 0..2 {
             self.open().await?;
             let conn = self.session.start_step();
-            match DB::claim(conn, statements, consumer, key, fingerprint).await {
+            match DB::insert_key(conn, statements, consumer, key, fingerprint).await {
                 Err(error) if attempt == 0 && DB::lost_statement(&error) => {
                     // The session lost the statement sqlx had prepared for the claim (a
                     // `DEALLOCATE ALL`): end the transaction, forget the statements, try again.

@@ -1,6 +1,5 @@
 //! The behaviour every backend must show, as async functions that take a fresh [`Harness`]; each
 //! backend's test file runs all of them (`conformance_tests!`).
-#![allow(dead_code, unreachable_pub)]
 
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;

@@ -173,7 +173,7 @@ impl Store for MySql {
         // MySQL has no INSERT … RETURNING: one claim per key, in key order, in the transaction.
         let mut inserted = Vec::new();
         for key in keys {
-            if Self::claim(conn, statements, consumer, key, None).await? {
+            if Self::insert_key(conn, statements, consumer, key, None).await? {
                 inserted.push(key.to_vec());
             }
         }

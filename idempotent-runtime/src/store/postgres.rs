@@ -80,17 +80,9 @@ mod settings {
 }
 use settings::PgSettings;
 
-impl crate::Inbox<Postgres> {
-    /// The same inbox, sending the claim in one message with its `BEGIN`: one round trip less per
-    /// message, at the price the [module docs](self) describe (a committed duplicate is reported by
-    /// the server as a unique violation, which it logs at `ERROR` with the statement, and leaves a
-    /// dead row version). Both claims wait for a concurrent claim of the same key in the same way.
-    pub fn with_pipelined_claim(self) -> Self {
-        self.with_settings(|settings| PgSettings {
-            pipelined: true,
-            ..settings.clone()
-        })
-    }
+/// The settings of an inbox that sends its claim with its `BEGIN`.
+pub(crate) fn pipelined() -> PgSettings {
+    PgSettings { pipelined: true }
 }
 
 impl Backend for Postgres {}
@@ -290,12 +282,14 @@ fn sqlstate(error: &sqlx::Error) -> Option<&str> {
 }
 
 /// What a SQLSTATE says about a retry: serialization failure, deadlock, lock not available, a
-/// statement timeout, too many connections and the server starting up are transient; the server
+/// statement timeout, too many connections, the server starting up and a transaction aborted by an
+/// earlier failure (25P02, as [`InboxError::TransactionAborted`](crate::InboxError)) are
+/// transient; the server
 /// shutting down, every connection exception (class 08) and a lost prepared statement (26000, which
 /// sqlx's statement cache cannot recover from) break the connection.
 fn fault_of_code(code: &str) -> Fault {
     match code {
-        "40001" | "40P01" | "55P03" | "57014" | "57P03" | "53300" => Fault::Transient,
+        "40001" | "40P01" | "55P03" | "57014" | "57P03" | "53300" | "25P02" => Fault::Transient,
         "57P01" | "57P02" | "26000" => Fault::Broken,
         _ if code.starts_with("08") => Fault::Broken,
         _ => Fault::None,
@@ -308,13 +302,13 @@ mod tests {
 
     #[test]
     fn transient_sqlstates_are_retryable() {
-        for code in ["40001", "40P01", "55P03", "57014", "53300"] {
+        for code in ["40001", "40P01", "55P03", "57014", "53300", "25P02"] {
             assert_eq!(fault_of_code(code), Fault::Transient, "{code}");
         }
         for code in ["57P01", "08006", "08003", "26000"] {
             assert_eq!(fault_of_code(code), Fault::Broken, "{code}");
         }
-        for code in ["23505", "42P01", "22P02", "42501", "25P02"] {
+        for code in ["23505", "42P01", "22P02", "42501"] {
             assert_eq!(fault_of_code(code), Fault::None, "{code}");
         }
     }

@@ -28,7 +28,7 @@ pub trait Queries: Store {
     /// Inserts `(consumer, key, fingerprint)` unless the key is there, in the open transaction;
     /// `true` when this call inserted it. A concurrent uncommitted insert of the same key makes
     /// this wait for that transaction to end.
-    fn claim<'a>(
+    fn insert_key<'a>(
         conn: &'a mut Self::Connection,
         statements: &'a Statements,
         consumer: &'a str,
@@ -144,7 +144,7 @@ where
         sqlx::Connection::clear_cached_statements(conn).await
     }
 
-    async fn claim(
+    async fn insert_key(
         conn: &mut DB::Connection,
         statements: &Statements,
         consumer: &str,

@@ -65,44 +65,6 @@ pub fn connect_options(url: &str) -> Result<SqliteConnectOptions, sqlx::Error> {
         .journal_mode(SqliteJournalMode::Wal))
 }
 
-impl crate::Inbox<Sqlite> {
-    /// An inbox in a private in-memory SQLite database, migrated, for the unit tests of your own
-    /// handlers (those taking `&mut sqlx::SqliteConnection`): create your tables on
-    /// [`pool()`](crate::Inbox::pool) and call the handlers with it. The database has one
-    /// connection, so concurrent calls take turns (one that waits more than 5 seconds for it fails
-    /// with a retryable pool timeout), and it is gone when the last clone is dropped. A worker's
-    /// inbox ([`for_worker`](crate::Inbox::for_worker)) keeps that connection between its
-    /// messages, and the inbox's own reads use it too, but your queries on the pool wait until the
-    /// worker's inbox is dropped.
-    /// It behaves like the file-based inbox (the conformance suite runs on it), but it proves
-    /// nothing about your production database.
-    ///
-    /// ```
-    /// # #[tokio::main(flavor = "current_thread")]
-    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    /// let inbox = idempotent_runtime::Inbox::<sqlx::Sqlite>::in_memory().await?;
-    /// sqlx::query("CREATE TABLE orders (id INTEGER PRIMARY KEY)").execute(inbox.pool()).await?;
-    /// # Ok(()) }
-    /// ```
-    pub async fn in_memory() -> Result<Self, crate::InboxError> {
-        let pool = sqlx::sqlite::SqlitePoolOptions::new()
-            .max_connections(1)
-            .min_connections(1)
-            .idle_timeout(None)
-            .max_lifetime(None)
-            // The pool's check of a connection as it is taken is a step that, cancelled (a
-            // timeout around a handler), closes the connection: that would be the database.
-            .test_before_acquire(false)
-            .acquire_timeout(std::time::Duration::from_secs(5))
-            .connect("sqlite::memory:")
-            .await
-            .map_err(super::database_error(crate::Stage::Migrate))?;
-        let inbox = Self::new(pool);
-        inbox.migrate().await?;
-        Ok(inbox)
-    }
-}
-
 mod watch {
     use super::*;
 
