@@ -114,6 +114,7 @@
 //! - `sqlite` (default): the inbox on SQLite, compiled in.
 //! - `postgres`: the inbox on PostgreSQL.
 //! - `mysql`: the inbox on MySQL and MariaDB.
+//! - `rabbitmq`, `nats`: the [`broker`] runners for RabbitMQ and NATS JetStream.
 #![warn(missing_docs, unreachable_pub)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
@@ -153,6 +154,9 @@ pub use idempotent_runtime::{
     is_retryable, key, message_key,
 };
 
+#[cfg(any(feature = "rabbitmq", feature = "nats"))]
+#[cfg_attr(docsrs, doc(cfg(any(feature = "rabbitmq", feature = "nats"))))]
+pub use idempotent_runtime::broker;
 #[cfg(feature = "mysql")]
 #[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
 pub use idempotent_runtime::mysql;

@@ -6,6 +6,9 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod batch;
+#[cfg(any(feature = "rabbitmq", feature = "nats"))]
+#[cfg_attr(docsrs, doc(cfg(any(feature = "rabbitmq", feature = "nats"))))]
+pub mod broker;
 pub mod calls;
 mod error;
 mod inbox;

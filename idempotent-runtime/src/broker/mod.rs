@@ -1,0 +1,513 @@
+//! Broker runners: what a consumer does with each outcome, written once.
+//!
+//! A runner takes deliveries from a broker (a RabbitMQ queue, a NATS JetStream pull consumer),
+//! hands each to a handler (typically an `#[idempotent]` function called with a worker's inbox),
+//! and settles the delivery by the outcome, only once the outcome is known:
+//!
+//! | outcome | the runner |
+//! |---|---|
+//! | `Ok(Processed)`, `Ok(Duplicate)` | acknowledges the delivery |
+//! | an error that [is retryable](crate::Error::is_retryable), attempts left | has the broker deliver it again after a back-off ([`RetryPolicy`]), never at once |
+//! | a retryable error on the last attempt, any other error | dead-letters it, with the reason and the attempt count in its headers; never an acknowledgement that loses it silently |
+//! | a message without the producer's id | dead-letters it: it has no key |
+//!
+//! Workers run concurrently, each with a handler of its own (make each one's inbox with
+//! [`Inbox::for_worker`](crate::Inbox::for_worker)), one delivery at a time; the runner asks the
+//! broker for no more deliveries than there are workers. A [`Shutdown`] token stops it gracefully:
+//! it takes no more deliveries, lets those in flight finish and settles them, then returns; a
+//! delivery whose effect was committed is acknowledged before the runner returns.
+//!
+//! The handler receives a [`Message`]: the producer's id ([`MessageId`], the key to use), the
+//! payload and headers, and the broker's per-delivery facts in types that are not
+//! [`StableKey`](crate::StableKey)s, so that keying on them is a compile error.
+
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use tokio::task::JoinSet;
+
+use crate::error::Error;
+use crate::inbox::Handled;
+use crate::key::{KeyBuilder, StableKey};
+use crate::markers::DeliveryTag;
+
+#[cfg(feature = "nats")]
+#[cfg_attr(docsrs, doc(cfg(feature = "nats")))]
+pub mod nats;
+#[cfg(feature = "rabbitmq")]
+#[cfg_attr(docsrs, doc(cfg(feature = "rabbitmq")))]
+pub mod rabbitmq;
+
+/// Stops a runner gracefully when cancelled; see the [module docs](self).
+pub use tokio_util::sync::CancellationToken as Shutdown;
+
+/// How often, and how far apart, a delivery that failed with a retryable error is tried again.
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
+pub struct RetryPolicy {
+    /// Attempts in all, the first delivery included (default 5). The last one's retryable error
+    /// dead-letters the message.
+    pub max_attempts: u32,
+    /// The delay before the second attempt (default 1 s).
+    pub first_delay: Duration,
+    /// Each further delay is the one before times this (default 2).
+    pub multiplier: f64,
+    /// No delay is longer than this (default 5 minutes).
+    pub max_delay: Duration,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        Self {
+            max_attempts: 5,
+            first_delay: Duration::from_secs(1),
+            multiplier: 2.0,
+            max_delay: Duration::from_secs(300),
+        }
+    }
+}
+
+impl RetryPolicy {
+    /// `max_attempts` attempts, the first retry after `first_delay`, each later one twice as late.
+    pub fn new(max_attempts: u32, first_delay: Duration) -> Self {
+        Self {
+            max_attempts: max_attempts.max(1),
+            first_delay,
+            ..Self::default()
+        }
+    }
+
+    /// The same policy with another multiplier.
+    pub fn multiplier(self, multiplier: f64) -> Self {
+        Self { multiplier, ..self }
+    }
+
+    /// The same policy with another longest delay.
+    pub fn max_delay(self, max_delay: Duration) -> Self {
+        Self { max_delay, ..self }
+    }
+
+    /// How long to wait before attempt `attempt + 1`, after attempt `attempt` (counting from 1)
+    /// failed.
+    pub fn delay_after(&self, attempt: u32) -> Duration {
+        let factor = self
+            .multiplier
+            .max(1.0)
+            .powi(attempt.saturating_sub(1) as i32);
+        self.first_delay.mul_f64(factor).min(self.max_delay)
+    }
+}
+
+/// What a runner does with a delivery, given its handler's outcome.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Route {
+    /// Acknowledge: the effect is committed, by this delivery or an earlier one.
+    Ack,
+    /// Deliver it again after `after`, as attempt number `attempt`.
+    Retry {
+        /// The number of the next attempt, counting from 1.
+        attempt: u32,
+        /// How long the broker holds it back.
+        after: Duration,
+    },
+    /// Dead-letter it.
+    DeadLetter {
+        /// Why, for a person to read.
+        reason: String,
+        /// How many attempts were made.
+        attempts: u32,
+    },
+}
+
+impl Route {
+    /// The route of a delivery on its `attempt`-th attempt (counting from 1) whose handler
+    /// returned `outcome`.
+    pub fn of<T, E: fmt::Display>(
+        outcome: &Result<Handled<T>, Error<E>>,
+        attempt: u32,
+        policy: &RetryPolicy,
+    ) -> Self {
+        match outcome {
+            Ok(_) => Route::Ack,
+            Err(error) if error.is_retryable() && attempt < policy.max_attempts => Route::Retry {
+                attempt: attempt + 1,
+                after: policy.delay_after(attempt),
+            },
+            Err(error) if error.is_retryable() => Route::DeadLetter {
+                reason: format!(
+                    "still failing after {attempt} attempts: {}",
+                    describe(error)
+                ),
+                attempts: attempt,
+            },
+            Err(error) => Route::DeadLetter {
+                reason: describe(error),
+                attempts: attempt,
+            },
+        }
+    }
+}
+
+/// A handler's error as one line: the error, and the causes of an inbox error.
+fn describe<E: fmt::Display>(error: &Error<E>) -> String {
+    let mut text = match error {
+        Error::Handler(e) | Error::Transient(e) => e.to_string(),
+        Error::Inbox(e) => e.to_string(),
+    };
+    if let Error::Inbox(e) = error {
+        let mut source = std::error::Error::source(e);
+        while let Some(cause) = source {
+            text.push_str(": ");
+            text.push_str(&cause.to_string());
+            source = cause.source();
+        }
+    }
+    // Headers are no place for a novel.
+    if text.len() > 1000 {
+        let mut end = 1000;
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        text.truncate(end);
+        text.push('…');
+    }
+    text
+}
+
+/// The id the producer gave a message (AMQP `message_id`, NATS `Nats-Msg-Id`): the same on every
+/// delivery of it, so the key to use.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct MessageId(pub String);
+
+impl StableKey for MessageId {
+    fn write_key(&self, key: &mut KeyBuilder) {
+        self.0.write_key(key)
+    }
+}
+
+impl fmt::Display for MessageId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// A stream's sequence number of a message (JetStream): it changes when a message is published
+/// again, so it is not a key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct StreamSequence(pub u64);
+
+/// How many times the broker has delivered this message: not a key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct DeliveryCount(pub u64);
+
+/// Whether the broker delivered this message before: not a key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Redelivered(pub bool);
+
+/// A delivery as a handler sees it.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct Message {
+    /// The producer's id of the message: key on it.
+    pub message_id: MessageId,
+    /// The payload.
+    pub payload: Vec<u8>,
+    /// The headers whose values are text.
+    pub headers: Vec<(String, String)>,
+    /// This delivery's attempt, counting from 1: the retries the runner scheduled, plus one.
+    pub attempt: u32,
+    /// The broker's handle of this delivery (AMQP delivery tag; the stream sequence of the
+    /// delivery on JetStream): new on every delivery.
+    pub delivery_tag: DeliveryTag,
+    /// Whether the broker delivered it before (a crash before an acknowledgement).
+    pub redelivered: Redelivered,
+    /// The stream's sequence number, on JetStream.
+    pub stream_sequence: Option<StreamSequence>,
+}
+
+impl Message {
+    /// The value of header `name`, if it is there and text.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(key, _)| key.eq_ignore_ascii_case(name))
+            .map(|(_, value)| value.as_str())
+    }
+}
+
+/// What a runner counted, since it started.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RunnerStats {
+    /// Deliveries acknowledged after their handler processed them.
+    pub processed: u64,
+    /// Deliveries acknowledged as duplicates.
+    pub duplicates: u64,
+    /// Deliveries scheduled for another attempt.
+    pub retried: u64,
+    /// Deliveries dead-lettered.
+    pub dead_lettered: u64,
+}
+
+/// The live counters behind [`RunnerStats`].
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    processed: AtomicU64,
+    duplicates: AtomicU64,
+    retried: AtomicU64,
+    dead_lettered: AtomicU64,
+}
+
+impl Counters {
+    fn count<T, E>(&self, outcome: &Result<Handled<T>, Error<E>>, route: &Route) {
+        let counter = match (route, outcome) {
+            (Route::Ack, Ok(Handled::Duplicate { .. })) => &self.duplicates,
+            (Route::Ack, _) => &self.processed,
+            (Route::Retry { .. }, _) => &self.retried,
+            (Route::DeadLetter { .. }, _) => &self.dead_lettered,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn snapshot(&self) -> RunnerStats {
+        RunnerStats {
+            processed: self.processed.load(Ordering::Relaxed),
+            duplicates: self.duplicates.load(Ordering::Relaxed),
+            retried: self.retried.load(Ordering::Relaxed),
+            dead_lettered: self.dead_lettered.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// Why a runner stopped other than by its [`Shutdown`].
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum BrokerError {
+    /// The broker's client failed: the connection or channel is gone, or a publish was not
+    /// confirmed. Deliveries not acknowledged are delivered again by the broker.
+    #[error("the broker failed")]
+    Broker(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// The broker refused a message the runner published (a retry or a dead letter).
+    #[error("the broker refused the {what} of a message")]
+    Refused {
+        /// What was published: "retry" or "dead letter".
+        what: &'static str,
+    },
+}
+
+impl BrokerError {
+    pub(crate) fn broker(error: impl std::error::Error + Send + Sync + 'static) -> Self {
+        BrokerError::Broker(Box::new(error))
+    }
+}
+
+/// One delivery from a broker, as the shared driver handles it.
+pub(crate) trait Delivery: Send + 'static {
+    /// The message for the handler, or the reason to dead-letter it without one.
+    fn message(&self) -> Result<Message, String>;
+
+    /// Settles the delivery by `route`.
+    fn settle(self, route: Route) -> impl Future<Output = Result<(), BrokerError>> + Send;
+
+    /// Keeps the delivery alive while its handler runs (JetStream's in-progress acks); never
+    /// returns while it works.
+    fn keep_alive(&self) -> impl Future<Output = ()> + Send + '_ {
+        std::future::pending()
+    }
+}
+
+/// Takes deliveries while a worker is free and the runner is not shut down, and runs each on a free
+/// worker; returns when `deliveries` ends or `shutdown` is cancelled, once every delivery in flight
+/// is settled.
+pub(crate) async fn drive<D, S, F, W, Fut, T, E>(
+    deliveries: S,
+    shutdown: Shutdown,
+    workers: usize,
+    policy: RetryPolicy,
+    mut new_worker: F,
+    counters: Arc<Counters>,
+) -> Result<(), BrokerError>
+where
+    D: Delivery,
+    S: futures_util::Stream<Item = Result<D, BrokerError>>,
+    F: FnMut() -> W,
+    W: FnMut(Message) -> Fut + Send + 'static,
+    Fut: Future<Output = Result<Handled<T>, Error<E>>> + Send,
+    T: Send + 'static,
+    E: fmt::Display + Send + 'static,
+{
+    use futures_util::StreamExt;
+    let mut deliveries = std::pin::pin!(deliveries);
+    let (idle_tx, mut idle) = tokio::sync::mpsc::channel(workers.max(1));
+    for _ in 0..workers.max(1) {
+        idle_tx
+            .send(new_worker())
+            .await
+            .expect("the receiver is here");
+    }
+    let mut running = JoinSet::new();
+    let mut failure = None;
+    loop {
+        // A free worker first, so that no delivery waits in the runner for one.
+        let worker = tokio::select! {
+            biased;
+            () = shutdown.cancelled() => break,
+            Some(finished) = running.join_next(), if !running.is_empty() => {
+                if let Err(error) = finished.expect("a worker task panicked") {
+                    failure = Some(error);
+                    break;
+                }
+                continue;
+            }
+            worker = idle.recv() => worker.expect("the sender is here"),
+        };
+        let delivery = tokio::select! {
+            biased;
+            () = shutdown.cancelled() => break,
+            delivery = deliveries.next() => delivery,
+        };
+        let delivery = match delivery {
+            None => break,
+            Some(Err(error)) => {
+                failure = Some(error);
+                break;
+            }
+            Some(Ok(delivery)) => delivery,
+        };
+        let idle_tx = idle_tx.clone();
+        let counters = counters.clone();
+        running.spawn(async move {
+            let mut worker = worker;
+            let settled = handle(&mut worker, delivery, &policy, &counters).await;
+            let _ = idle_tx.send(worker).await;
+            settled
+        });
+    }
+    // Whatever stopped the runner, the deliveries in flight finish and are settled.
+    while let Some(finished) = running.join_next().await {
+        if let Err(error) = finished.expect("a worker task panicked") {
+            failure.get_or_insert(error);
+        }
+    }
+    failure.map_or(Ok(()), Err)
+}
+
+/// Runs one delivery through a worker's handler and settles it by the outcome.
+async fn handle<D, W, Fut, T, E>(
+    worker: &mut W,
+    delivery: D,
+    policy: &RetryPolicy,
+    counters: &Counters,
+) -> Result<(), BrokerError>
+where
+    D: Delivery,
+    W: FnMut(Message) -> Fut,
+    Fut: Future<Output = Result<Handled<T>, Error<E>>>,
+    E: fmt::Display,
+{
+    let message = match delivery.message() {
+        Ok(message) => message,
+        Err(reason) => {
+            tracing::warn!(%reason, "dead-lettering a delivery the handler cannot take");
+            counters.dead_lettered.fetch_add(1, Ordering::Relaxed);
+            return delivery
+                .settle(Route::DeadLetter {
+                    reason,
+                    attempts: 1,
+                })
+                .await;
+        }
+    };
+    let attempt = message.attempt;
+    let span = tracing::info_span!(
+        "delivery",
+        message_id = %message.message_id,
+        attempt,
+        route = tracing::field::Empty,
+    );
+    let outcome = {
+        let call = tracing::Instrument::instrument(worker(message), span.clone());
+        tokio::pin!(call);
+        let alive = delivery.keep_alive();
+        tokio::pin!(alive);
+        tokio::select! {
+            outcome = &mut call => outcome,
+            () = &mut alive => call.await,
+        }
+    };
+    let route = Route::of(&outcome, attempt, policy);
+    counters.count(&outcome, &route);
+    span.record("route", tracing::field::debug(&route));
+    match &route {
+        Route::Ack => {}
+        Route::Retry { attempt, after } => {
+            tracing::info!(parent: &span, next_attempt = attempt, ?after, "retrying later")
+        }
+        Route::DeadLetter { reason, attempts } => {
+            tracing::warn!(parent: &span, %reason, attempts, "dead-lettering")
+        }
+    }
+    delivery.settle(route).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::InboxError;
+
+    #[derive(Debug)]
+    struct Oops;
+
+    impl fmt::Display for Oops {
+        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("oops")
+        }
+    }
+
+    #[test]
+    fn outcomes_route_as_the_table_says() {
+        let policy = RetryPolicy::new(3, Duration::from_millis(100));
+        let processed: Result<Handled<()>, Error<Oops>> = Ok(Handled::Processed(()));
+        assert_eq!(Route::of(&processed, 1, &policy), Route::Ack);
+        let transient: Result<Handled<()>, Error<Oops>> = Err(Error::Transient(Oops));
+        assert_eq!(
+            Route::of(&transient, 1, &policy),
+            Route::Retry {
+                attempt: 2,
+                after: Duration::from_millis(100)
+            }
+        );
+        assert_eq!(
+            Route::of(&transient, 2, &policy),
+            Route::Retry {
+                attempt: 3,
+                after: Duration::from_millis(200)
+            }
+        );
+        assert!(matches!(
+            Route::of(&transient, 3, &policy),
+            Route::DeadLetter { attempts: 3, ref reason } if reason.contains("3 attempts") && reason.contains("oops")
+        ));
+        let failed: Result<Handled<()>, Error<Oops>> = Err(Error::Handler(Oops));
+        assert_eq!(
+            Route::of(&failed, 1, &policy),
+            Route::DeadLetter {
+                reason: "oops".into(),
+                attempts: 1
+            }
+        );
+        let ended: Result<Handled<()>, Error<Oops>> =
+            Err(Error::Inbox(InboxError::TransactionAborted));
+        assert!(matches!(Route::of(&ended, 1, &policy), Route::Retry { .. }));
+    }
+
+    #[test]
+    fn delays_grow_and_stop_at_the_longest() {
+        let policy = RetryPolicy::new(10, Duration::from_secs(1)).max_delay(Duration::from_secs(5));
+        let delays: Vec<u64> = (1..6).map(|n| policy.delay_after(n).as_secs()).collect();
+        assert_eq!(delays, [1, 2, 4, 5, 5]);
+    }
+}

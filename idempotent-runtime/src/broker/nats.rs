@@ -1,0 +1,291 @@
+//! The runner for NATS JetStream (with `async-nats`), on a durable pull consumer.
+//!
+//! ```no_run
+//! # use idempotent_runtime as idempotent;
+//! use idempotent::broker::nats::Runner;
+//! use idempotent::broker::{Message, RetryPolicy};
+//! # async fn demo(jetstream: async_nats::jetstream::Context, inbox: idempotent::Inbox<sqlx::Sqlite>) -> Result<(), Box<dyn std::error::Error>> {
+//! let stream = jetstream.get_stream("PAYMENTS").await?;
+//! let consumer: async_nats::jetstream::consumer::PullConsumer =
+//!     stream.get_consumer("ledger").await?;
+//! let stats = Runner::new(jetstream, consumer, "PAYMENTS.dead")
+//!     .workers(4)
+//!     .retry(RetryPolicy::new(5, std::time::Duration::from_secs(1)))
+//!     .run(|| {
+//!         let inbox = inbox.for_worker();
+//!         move |message: Message| {
+//!             let inbox = inbox.clone();
+//!             async move {
+//!                 // decode `message.payload`, call an #[idempotent] handler with `&inbox`
+//!                 # let _ = (inbox, message);
+//!                 # Ok::<_, idempotent::Error<std::convert::Infallible>>(idempotent::Handled::Processed(()))
+//!             }
+//!         }
+//!     })
+//!     .await?;
+//! # Ok(()) }
+//! ```
+//!
+//! The key is the producer's `Nats-Msg-Id` header; a message without one is dead-lettered.
+//!
+//! - Acknowledgements wait for the server's confirmation (`double_ack`): the runner knows the ack
+//!   landed before it counts the delivery done.
+//! - **Retries**: a `nak` with the policy's delay, so JetStream holds the message back that long;
+//!   the attempt is JetStream's own delivery count, so a crash redelivery counts too. Give the
+//!   consumer a `max_deliver` above the policy's `max_attempts` (or none): JetStream stops
+//!   delivering at `max_deliver` on its own, without a dead letter.
+//! - **Dead letters** are published to the subject you name (which a stream must capture, or the
+//!   publish fails and the delivery is left to be delivered again) with the headers
+//!   `Idempotent-Reason`, `Idempotent-Attempts` and `Idempotent-Subject`, and once JetStream stored
+//!   them the delivery is terminated (`term`): JetStream will not deliver it again.
+//! - A handler that runs longer than half the consumer's `ack_wait` sends in-progress acks, so
+//!   JetStream does not deliver the message to someone else meanwhile.
+//! - The runner pulls at most `workers` messages at a time. On shutdown it stops pulling, settles
+//!   the deliveries in flight, and `nak`s (without delay) those it had pulled but not started.
+//!
+//! JetStream's own duplicate detection (`Nats-Msg-Id` within the stream's duplicate window) drops
+//! a second *publication* of a message; it does nothing for a *redelivery* of one message to a
+//! consumer (a crash before the ack, an expired `ack_wait`), which is what the inbox is for.
+
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::HeaderMap;
+use async_nats::jetstream::consumer::PullConsumer;
+use async_nats::jetstream::{self, AckKind};
+use futures_util::StreamExt;
+
+use super::{
+    BrokerError, Counters, Delivery, Message, MessageId, Redelivered, RetryPolicy, Route,
+    RunnerStats, Shutdown, StreamSequence, drive,
+};
+use crate::error::Error;
+use crate::inbox::Handled;
+use crate::markers::DeliveryTag;
+
+/// The header that carries a dead letter's reason.
+pub const REASON_HEADER: &str = "Idempotent-Reason";
+/// The header that carries the number of attempts a dead letter had.
+pub const ATTEMPTS_HEADER: &str = "Idempotent-Attempts";
+/// The header that names the subject a dead letter came from.
+pub const SUBJECT_HEADER: &str = "Idempotent-Subject";
+
+/// Consumes a durable pull consumer and settles each delivery by its handler's outcome; see the
+/// [module docs](self).
+pub struct Runner {
+    jetstream: jetstream::Context,
+    consumer: PullConsumer,
+    dead_letters: String,
+    workers: usize,
+    retry: RetryPolicy,
+    shutdown: Shutdown,
+    counters: Arc<Counters>,
+}
+
+impl fmt::Debug for Runner {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Runner")
+            .field("dead_letters", &self.dead_letters)
+            .field("workers", &self.workers)
+            .field("retry", &self.retry)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Runner {
+    /// A runner on `consumer`, dead-lettering to `dead_letters` (a subject a stream captures), with
+    /// one worker and the default [`RetryPolicy`].
+    pub fn new(
+        jetstream: jetstream::Context,
+        consumer: PullConsumer,
+        dead_letters: impl Into<String>,
+    ) -> Self {
+        Self {
+            jetstream,
+            consumer,
+            dead_letters: dead_letters.into(),
+            workers: 1,
+            retry: RetryPolicy::default(),
+            shutdown: Shutdown::new(),
+            counters: Arc::default(),
+        }
+    }
+
+    /// Runs `workers` handlers at once (and pulls as many messages at a time).
+    pub fn workers(self, workers: usize) -> Self {
+        Self {
+            workers: workers.max(1),
+            ..self
+        }
+    }
+
+    /// Retries retryable failures by `policy`.
+    pub fn retry(self, policy: RetryPolicy) -> Self {
+        Self {
+            retry: policy,
+            ..self
+        }
+    }
+
+    /// Stops gracefully when `shutdown` is cancelled.
+    pub fn shutdown_on(self, shutdown: Shutdown) -> Self {
+        Self { shutdown, ..self }
+    }
+
+    /// What the runner counted so far; the same counters [`run`](Self::run) returns at the end.
+    pub fn stats(&self) -> impl Fn() -> RunnerStats + Send + Sync + 'static {
+        let counters = self.counters.clone();
+        move || counters.snapshot()
+    }
+
+    /// Consumes until the shutdown token is cancelled (or the consumer's stream fails), with a
+    /// handler from `new_worker` per worker. Returns what it counted.
+    pub async fn run<F, W, Fut, T, E>(self, new_worker: F) -> Result<RunnerStats, BrokerError>
+    where
+        F: FnMut() -> W,
+        W: FnMut(Message) -> Fut + Send + 'static,
+        Fut: Future<Output = Result<Handled<T>, Error<E>>> + Send,
+        T: Send + 'static,
+        E: fmt::Display + Send + 'static,
+    {
+        let ack_wait = self.consumer.cached_info().config.ack_wait;
+        let context = Arc::new(Context {
+            jetstream: self.jetstream.clone(),
+            dead_letters: self.dead_letters.clone(),
+            // In-progress acks well before JetStream gives up on the delivery.
+            progress_every: (ack_wait / 2).max(Duration::from_millis(100)),
+        });
+        let mut messages = self
+            .consumer
+            .stream()
+            .max_messages_per_batch(self.workers)
+            .messages()
+            .await
+            .map_err(BrokerError::broker)?;
+        let deliveries = messages.by_ref().map(|message| {
+            message
+                .map(|message| NatsDelivery {
+                    message,
+                    context: context.clone(),
+                })
+                .map_err(BrokerError::broker)
+        });
+        let driven = drive(
+            deliveries,
+            self.shutdown.clone(),
+            self.workers,
+            self.retry,
+            new_worker,
+            self.counters.clone(),
+        )
+        .await;
+        // Pulled but not started: back to JetStream at once.
+        while let Ok(Some(Ok(message))) =
+            tokio::time::timeout(Duration::from_millis(50), messages.next()).await
+        {
+            let _ = message.ack_with(AckKind::Nak(None)).await;
+        }
+        driven?;
+        Ok(self.counters.snapshot())
+    }
+}
+
+/// What every delivery of one runner needs to settle.
+struct Context {
+    jetstream: jetstream::Context,
+    dead_letters: String,
+    progress_every: Duration,
+}
+
+struct NatsDelivery {
+    message: jetstream::Message,
+    context: Arc<Context>,
+}
+
+impl Delivery for NatsDelivery {
+    fn message(&self) -> Result<Message, String> {
+        let message_id = self
+            .message
+            .headers
+            .as_ref()
+            .and_then(|headers| headers.get(async_nats::header::NATS_MESSAGE_ID))
+            .map(|id| id.as_str().to_owned())
+            .filter(|id| !id.is_empty())
+            .ok_or_else(|| "the message has no Nats-Msg-Id header: it has no key".to_owned())?;
+        let info = self
+            .message
+            .info()
+            .map_err(|error| format!("the message has no JetStream metadata: {error}"))?;
+        let headers = self
+            .message
+            .headers
+            .iter()
+            .flat_map(HeaderMap::iter)
+            .filter_map(|(name, values)| {
+                let value = values.last()?;
+                Some((name.to_string(), value.as_str().to_owned()))
+            })
+            .collect();
+        Ok(Message {
+            message_id: MessageId(message_id),
+            payload: self.message.payload.to_vec(),
+            headers,
+            attempt: u32::try_from(info.delivered).unwrap_or(1).max(1),
+            delivery_tag: DeliveryTag(info.consumer_sequence),
+            redelivered: Redelivered(info.delivered > 1),
+            stream_sequence: Some(StreamSequence(info.stream_sequence)),
+        })
+    }
+
+    async fn settle(self, route: Route) -> Result<(), BrokerError> {
+        match route {
+            Route::Ack => self.message.double_ack().await.map_err(BrokerError::Broker),
+            Route::Retry { after, .. } => self
+                .message
+                .ack_with(AckKind::Nak(Some(after)))
+                .await
+                .map_err(BrokerError::Broker),
+            Route::DeadLetter { reason, attempts } => {
+                let mut headers = self.message.headers.clone().unwrap_or_default();
+                headers.insert(REASON_HEADER, reason.as_str());
+                headers.insert(ATTEMPTS_HEADER, attempts.to_string().as_str());
+                headers.insert(SUBJECT_HEADER, self.message.subject.as_str());
+                let stored = async {
+                    self.context
+                        .jetstream
+                        .publish_with_headers(
+                            self.context.dead_letters.clone(),
+                            headers,
+                            self.message.payload.clone(),
+                        )
+                        .await
+                        .map_err(BrokerError::broker)?
+                        .await
+                        .map_err(BrokerError::broker)
+                };
+                match stored.await {
+                    Ok(_) => self
+                        .message
+                        .ack_with(AckKind::Term)
+                        .await
+                        .map_err(BrokerError::Broker),
+                    Err(error) => {
+                        // Not stored: leave it to JetStream to deliver again.
+                        tracing::warn!(%error, "could not dead-letter a delivery; nak'd");
+                        let _ = self.message.ack_with(AckKind::Nak(None)).await;
+                        Err(error)
+                    }
+                }
+            }
+        }
+    }
+
+    async fn keep_alive(&self) {
+        loop {
+            tokio::time::sleep(self.context.progress_every).await;
+            let _ = self.message.ack_with(AckKind::Progress).await;
+        }
+    }
+}

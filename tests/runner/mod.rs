@@ -1,0 +1,180 @@
+//! What the broker runners' tests share: a shop whose `#[idempotent]` handler records an effect per
+//! message in SQLite, and messages that say how their handler should behave.
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use idempotent::broker::{Message, MessageId};
+use idempotent::{Error, Handled, Inbox, idempotent};
+use serde::{Deserialize, Serialize};
+use sqlx::{Sqlite, SqlitePool};
+
+/// How a message's handler behaves.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq)]
+pub enum Kind {
+    /// Commits its effect.
+    Ok,
+    /// Fails with its own error, every time: dead-lettered at once.
+    Poison,
+    /// Fails with a retryable error on its first `n` attempts, then commits.
+    Flaky(u32),
+    /// Fails with a retryable error every time: dead-lettered after the last attempt.
+    AlwaysTransient,
+    /// Commits after this many milliseconds.
+    Slow(u64),
+}
+
+/// A message's payload.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Order {
+    pub kind: Kind,
+}
+
+impl Order {
+    pub fn payload(kind: Kind) -> Vec<u8> {
+        serde_json::to_vec(&Order { kind }).unwrap()
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ShopError {
+    #[error("poison: this order can never be handled")]
+    Poison,
+    #[error("the payment service is briefly unavailable")]
+    Unavailable,
+    #[error("not an order: {0}")]
+    Decode(#[from] serde_json::Error),
+    #[error("database error")]
+    Db(#[from] sqlx::Error),
+}
+
+/// The message as the handler takes it.
+pub struct Incoming {
+    pub message_id: MessageId,
+    pub order: Order,
+}
+
+#[idempotent(key = "message_id", consumer = "shop")]
+async fn on_order(tx: &mut sqlx::SqliteConnection, msg: &Incoming) -> Result<(), ShopError> {
+    if let Kind::Slow(ms) = msg.order.kind {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+    sqlx::query("INSERT INTO effects (message_id) VALUES ($1)")
+        .bind(&msg.message_id.0)
+        .execute(&mut *tx)
+        .await?;
+    match msg.order.kind {
+        Kind::Poison => Err(ShopError::Poison),
+        _ => Ok(()),
+    }
+}
+
+/// One attempt as a handler saw it.
+#[derive(Debug, Clone)]
+pub struct Attempt {
+    pub message_id: String,
+    pub attempt: u32,
+    pub at: Instant,
+}
+
+/// A database with an inbox and the effects table, and the attempts the handlers saw.
+pub struct Shop {
+    pub inbox: Inbox<Sqlite>,
+    pub pool: SqlitePool,
+    pub attempts: Arc<Mutex<Vec<Attempt>>>,
+    _dir: tempfile::TempDir,
+}
+
+pub type Outcome = Result<Handled<()>, Error<ShopError>>;
+
+impl Shop {
+    pub async fn new() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("shop.db").display());
+        let pool = sqlx::sqlite::SqlitePoolOptions::new()
+            .max_connections(16)
+            .connect_with(idempotent::sqlite::connect_options(&url).unwrap())
+            .await
+            .unwrap();
+        sqlx::query("CREATE TABLE effects (message_id TEXT NOT NULL)")
+            .execute(&pool)
+            .await
+            .unwrap();
+        let inbox = Inbox::new(pool.clone());
+        inbox.migrate().await.unwrap();
+        Self {
+            inbox,
+            pool,
+            attempts: Arc::default(),
+            _dir: dir,
+        }
+    }
+
+    /// A worker's handler: decodes the message and calls the `#[idempotent]` handler with a
+    /// worker's inbox, failing retryably first where the message says so.
+    pub fn worker(
+        &self,
+    ) -> impl FnMut(Message) -> futures::future::BoxFuture<'static, Outcome> + Send + 'static {
+        let inbox = self.inbox.for_worker();
+        let attempts = self.attempts.clone();
+        move |message: Message| {
+            let inbox = inbox.clone();
+            let attempts = attempts.clone();
+            Box::pin(async move {
+                attempts.lock().unwrap().push(Attempt {
+                    message_id: message.message_id.0.clone(),
+                    attempt: message.attempt,
+                    at: Instant::now(),
+                });
+                let order: Order = serde_json::from_slice(&message.payload)
+                    .map_err(|error| Error::Handler(ShopError::from(error)))?;
+                match order.kind {
+                    Kind::Flaky(n) if message.attempt <= n => {
+                        return Err(Error::Transient(ShopError::Unavailable));
+                    }
+                    Kind::AlwaysTransient => return Err(Error::Transient(ShopError::Unavailable)),
+                    _ => {}
+                }
+                let incoming = Incoming {
+                    message_id: message.message_id,
+                    order,
+                };
+                on_order(&inbox, &incoming).await
+            })
+        }
+    }
+
+    /// How many times each message's effect was committed.
+    pub async fn effects(&self) -> HashMap<String, i64> {
+        sqlx::query_as::<_, (String, i64)>(
+            "SELECT message_id, COUNT(*) FROM effects GROUP BY message_id",
+        )
+        .fetch_all(&self.pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .collect()
+    }
+
+    /// The attempts the handlers saw of `message_id`, in order.
+    pub fn attempts_of(&self, message_id: &str) -> Vec<Attempt> {
+        self.attempts
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|a| a.message_id == message_id)
+            .cloned()
+            .collect()
+    }
+}
+
+/// Waits until `done` holds, for at most `limit`.
+pub async fn eventually(limit: Duration, mut done: impl AsyncFnMut() -> bool) {
+    let start = Instant::now();
+    while !done().await {
+        assert!(start.elapsed() < limit, "not done after {limit:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
