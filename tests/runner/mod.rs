@@ -57,7 +57,7 @@ pub struct Incoming {
 }
 
 #[idempotent(key = "message_id", consumer = "shop")]
-async fn on_order(tx: &mut sqlx::SqliteConnection, msg: &Incoming) -> Result<(), ShopError> {
+pub async fn on_order(tx: &mut sqlx::SqliteConnection, msg: &Incoming) -> Result<(), ShopError> {
     if let Kind::Slow(ms) = msg.order.kind {
         tokio::time::sleep(Duration::from_millis(ms)).await;
     }

@@ -47,6 +47,9 @@
 //! a second *publication* of a message; it does nothing for a *redelivery* of one message to a
 //! consumer (a crash before the ack, an expired `ack_wait`), which is what the inbox is for.
 
+/// The NATS client this runner was built against: make the runner's context and consumer with it.
+pub use async_nats;
+
 use std::fmt;
 use std::future::Future;
 use std::sync::Arc;

@@ -43,6 +43,9 @@
 //! cancels its consumer, settles the deliveries in flight, and returns to the broker (`nack` with
 //! requeue) those it had received but not started.
 
+/// The AMQP client this runner was built against: make the runner's channel with it.
+pub use lapin;
+
 use std::collections::BTreeSet;
 use std::fmt;
 use std::future::Future;
