@@ -7,10 +7,13 @@
 
 #[path = "rabbitmq/common.rs"]
 mod common;
+#[path = "payments/ledger.rs"]
+mod ledger;
 
-use common::{PaymentReceived, arg, channel};
+use common::channel;
 use lapin::BasicProperties;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use ledger::{PaymentReceived, arg};
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {

@@ -1,11 +1,6 @@
-//! A real broker end to end: RabbitMQ (`IDEMPOTENT_AMQP_URL`, started by `scripts/test`), the
-//! `rabbitmq_producer` and `rabbitmq_consumer` examples as separate processes, and a consumer that
-//! is SIGKILLed after its commit but before its acknowledgement, again and again.
+//! What RabbitMQ does with delivery tags (`IDEMPOTENT_AMQP_URL`, started by `scripts/test`). A
+//! consumer SIGKILLed after its commit but before its acknowledgement is in `tests/broker_kill.rs`.
 #![cfg(feature = "sqlite")]
-
-use std::path::PathBuf;
-use std::process::Stdio;
-use std::time::Duration;
 
 use futures::StreamExt;
 use lapin::options::{
@@ -14,145 +9,11 @@ use lapin::options::{
 };
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Connection, ConnectionProperties};
-use tokio::io::{AsyncBufReadExt, BufReader};
-use tokio::process::Command;
 
 fn amqp_url() -> String {
     std::env::var("IDEMPOTENT_AMQP_URL").expect(
         "IDEMPOTENT_AMQP_URL is not set: run the tests with scripts/test, which starts RabbitMQ",
     )
-}
-
-/// An example's program, as `cargo build --examples` builds it (`scripts/test` does, first).
-fn example(name: &str) -> PathBuf {
-    let deps = std::env::current_exe().unwrap();
-    let path = deps
-        .parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .join("examples")
-        .join(name);
-    assert!(
-        path.exists(),
-        "{} is not built: run `cargo build --all-features --examples` first (scripts/test does)",
-        path.display()
-    );
-    path
-}
-
-fn consumer(queue: &str, database: &str, extra: &[&str]) -> Command {
-    let mut command = Command::new(example("rabbitmq_consumer"));
-    command
-        .args(["--queue", queue])
-        .args(extra)
-        .env("IDEMPOTENT_AMQP_URL", amqp_url())
-        .env("DATABASE_URL", database)
-        .stdout(Stdio::piped())
-        .kill_on_drop(true);
-    command
-}
-
-#[tokio::test]
-async fn consumer_killed_after_its_commit_before_its_ack_has_each_effect_once() {
-    const MESSAGES: usize = 40;
-    const RETRIES: usize = 8;
-    const KILLS: usize = 4;
-    let queue = format!("payments-{}", uuid::Uuid::new_v4().simple());
-    let dir = tempfile::tempdir().unwrap();
-    let database = format!("sqlite://{}", dir.path().join("ledger.db").display());
-
-    let published = Command::new(example("rabbitmq_producer"))
-        .args(["--queue", &queue, "--messages", &MESSAGES.to_string()])
-        .args(["--retries", &RETRIES.to_string()])
-        .env("IDEMPOTENT_AMQP_URL", amqp_url())
-        .status()
-        .await
-        .unwrap();
-    assert!(published.success());
-
-    let mut lines = Vec::new();
-    for _ in 0..KILLS {
-        // Each run commits three payments and dies before acknowledging the third.
-        let mut child = consumer(&queue, &database, &["--pause-after-commit", "3"])
-            .spawn()
-            .unwrap();
-        let mut stdout = BufReader::new(child.stdout.take().unwrap()).lines();
-        let paused = tokio::time::timeout(Duration::from_secs(60), async {
-            while let Some(line) = stdout.next_line().await.unwrap() {
-                let paused = line.starts_with("PAUSED");
-                lines.push(line);
-                if paused {
-                    return true;
-                }
-            }
-            false
-        })
-        .await
-        .expect("the consumer paused in time");
-        assert!(paused, "the consumer exited before its pause: {lines:#?}");
-        child.kill().await.unwrap(); // SIGKILL: no ack, no goodbye to the broker
-    }
-    let output = consumer(&queue, &database, &["--exit-when-idle", "2"])
-        .output()
-        .await
-        .unwrap();
-    assert!(output.status.success());
-    lines.extend(
-        String::from_utf8(output.stdout)
-            .unwrap()
-            .lines()
-            .map(String::from),
-    );
-
-    let count = |what: &str| lines.iter().filter(|l| l.starts_with(what)).count();
-    assert_eq!(count("PROCESSED"), MESSAGES, "{lines:#?}");
-    assert_eq!(
-        count("DUPLICATE"),
-        RETRIES + KILLS,
-        "every producer retry and every redelivery after a kill is a detected duplicate: {lines:#?}"
-    );
-    assert_eq!(count("RETRY") + count("DEAD-LETTER") + count("REJECTED"), 0);
-    // The redelivered copies came with the broker's redelivered flag and new delivery tags.
-    assert!(
-        lines
-            .iter()
-            .filter(|l| l.starts_with("DUPLICATE") && l.ends_with("redelivered=true"))
-            .count()
-            >= KILLS
-    );
-
-    let pool = sqlx::SqlitePool::connect(&database).await.unwrap();
-    let effects: Vec<(String, i64)> =
-        sqlx::query_as("SELECT message_id, COUNT(*) FROM ledger GROUP BY message_id")
-            .fetch_all(&pool)
-            .await
-            .unwrap();
-    assert_eq!(effects.len(), MESSAGES);
-    assert!(effects.iter().all(|(_, n)| *n == 1), "{effects:?}");
-    let rows: i64 =
-        sqlx::query_scalar("SELECT COUNT(*) FROM idempotent_inbox WHERE consumer = 'ledger'")
-            .fetch_one(&pool)
-            .await
-            .unwrap();
-    assert_eq!(rows, MESSAGES as i64);
-
-    let connection = Connection::connect(&amqp_url(), ConnectionProperties::default())
-        .await
-        .unwrap();
-    let channel = connection.create_channel().await.unwrap();
-    let remaining = channel
-        .queue_declare(
-            queue.as_str().into(),
-            QueueDeclareOptions {
-                passive: true,
-                ..QueueDeclareOptions::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
-    assert_eq!(remaining.message_count(), 0, "the queue is not empty");
 }
 
 /// Why keying on the delivery tag is a compile error: the broker's redelivery of one message comes
