@@ -5,11 +5,11 @@ use std::collections::HashSet;
 use std::fmt;
 use std::sync::Arc;
 
-use crate::error::{Error, InboxError, Stage};
+use crate::error::{Error, Fault, InboxError, Stage};
 use crate::inbox::{Handled, Inbox, check_consumer, commit};
 use crate::key::{MessageKey, StableKey, message_key};
 use crate::metrics::Metrics;
-use crate::store::{Backend, database_error};
+use crate::store::{Backend, database_error, fault_of};
 use crate::transaction::{BeginError, InboxTransaction};
 
 /// A transaction holding the claims of a batch of keys; see [`Inbox::claim_batch`].
@@ -142,6 +142,97 @@ impl<DB: Backend> Inbox<DB> {
                     return Err(Error::Handler(error));
                 }
             }
+        }
+        batch.commit().await?;
+        Ok(outcomes)
+    }
+}
+
+/// The outcome of one message of a batch handled by [`Inbox::handle_batch_each`].
+pub type BatchOutcome<T, E> = Result<Handled<T>, Error<E>>;
+
+impl<DB: Backend> Inbox<DB> {
+    /// Handles `messages` in one transaction, each with its own outcome: claims all their keys in
+    /// one statement, runs `body` for each message whose key is new, in order, each in a nested
+    /// transaction (a savepoint), and commits once. A body that fails rolls back only its own
+    /// savepoint and gives up its claim, so its message is not recorded and a redelivery runs it
+    /// again, while the others commit: one failing message does not fail, or redeliver, the rest.
+    /// Its outcome is [`Error::Transient`] when the database failed under it (found in the error's
+    /// sources), [`Error::Handler`] otherwise; a message with an empty key gets
+    /// [`InboxError::Key`]. The whole call fails only when the batch's claim or commit does: then
+    /// nothing of it is recorded.
+    ///
+    /// On PostgreSQL each savepoint that writes is a subtransaction: keep batches under 64
+    /// messages, past which PostgreSQL's snapshots slow down in every session (the
+    /// subtransaction cache of a transaction overflows).
+    pub async fn handle_batch_each<M, K, T, E, F>(
+        &self,
+        consumer: &str,
+        messages: &[M],
+        key: impl Fn(&M) -> &K,
+        mut body: F,
+    ) -> Result<Vec<BatchOutcome<T, E>>, InboxError>
+    where
+        K: StableKey + ?Sized,
+        E: std::error::Error + 'static,
+        F: AsyncFnMut(&mut DB::Connection, &M) -> Result<T, E>,
+    {
+        use sqlx::Connection;
+
+        let keys: Vec<_> = messages.iter().map(|m| message_key(key(m))).collect();
+        let valid: Vec<MessageKey> = keys.iter().filter_map(|k| k.clone().ok()).collect();
+        let mut batch = self.claim_batch(consumer, &valid).await?;
+        let statements = &self.config.statements;
+        let mut outcomes = Vec::with_capacity(messages.len());
+        let mut claimed = 0;
+        for (message, key) in messages.iter().zip(keys) {
+            let key = match key {
+                Ok(key) => key,
+                Err(error) => {
+                    outcomes.push(Err(Error::Inbox(InboxError::Key(error))));
+                    continue;
+                }
+            };
+            let index = claimed;
+            claimed += 1;
+            if !batch.is_new(index) {
+                outcomes.push(Ok(Handled::Duplicate {
+                    consumer: consumer.to_owned(),
+                    key,
+                    response: None,
+                }));
+                continue;
+            }
+            let mut nested = batch
+                .connection()
+                .begin()
+                .await
+                .map_err(database_error(Stage::Claim))?;
+            let outcome = body(&mut nested, message).await;
+            let error = match outcome {
+                Ok(value) => {
+                    nested
+                        .commit()
+                        .await
+                        .map_err(database_error(Stage::Commit))?;
+                    outcomes.push(Ok(Handled::Processed(value)));
+                    continue;
+                }
+                Err(error) => error,
+            };
+            nested
+                .rollback()
+                .await
+                .map_err(database_error(Stage::Commit))?;
+            DB::forget_claim(batch.connection(), statements, consumer, key.as_bytes())
+                .await
+                .map_err(database_error(Stage::Claim))?;
+            batch.new[index] = false;
+            self.metrics.rolled_back(1);
+            outcomes.push(Err(match fault_of(&error) {
+                Fault::None => Error::Handler(error),
+                _ => Error::Transient(error),
+            }));
         }
         batch.commit().await?;
         Ok(outcomes)

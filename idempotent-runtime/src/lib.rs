@@ -24,7 +24,7 @@ mod transaction;
 #[doc(hidden)]
 pub mod __private;
 
-pub use batch::ClaimedBatch;
+pub use batch::{BatchOutcome, ClaimedBatch};
 pub use calls::{CallLease, CallStart};
 pub use error::{Error, Fault, InboxError, Stage};
 pub use inbox::{Claim, ClaimOptions, Claimed, Handled, Inbox, InboxFor, MAX_CONSUMER_LEN};

@@ -1,6 +1,6 @@
 //! Batches: one statement claims many keys, the body runs for the new ones, one commit.
 
-use idempotent::{Error, Handled};
+use idempotent::{Error, Handled, InboxError};
 
 use crate::support::{Behaviour, Consumer, Delivery, Harness, TestError};
 
@@ -102,4 +102,74 @@ pub async fn overlapping_concurrent_batches_have_one_effect_each(h: impl Harness
     for label in &labels[..distinct] {
         assert_eq!(h.effects(label).await, 1, "{label}");
     }
+}
+
+/// A batch with an outcome per message: a failing message in the middle rolls back only its own
+/// work and claim; the others commit once; duplicates (inside the batch and from before) and an
+/// empty key get their own outcomes; the failed message's redelivery runs it once.
+pub async fn failing_message_in_a_batch_fails_alone(h: impl Harness) {
+    let before = Delivery::new("each-before");
+    assert!(
+        h.deliver_batch(std::slice::from_ref(&before))
+            .await
+            .unwrap()[0]
+            .is_processed()
+    );
+    let msgs = [
+        Delivery::new("each-1"),
+        Delivery::new("each-2").behaving(Behaviour::Fail),
+        Delivery::new("each-3"),
+        Delivery::new("each-1"),
+        Delivery::new("each-before"),
+        Delivery::new("each-empty").with_id(""),
+        Delivery::new("each-4"),
+    ];
+    let outcomes = h.deliver_batch_each(&msgs).await.unwrap();
+    let kinds: Vec<&str> = outcomes
+        .iter()
+        .map(|outcome| match outcome {
+            Ok(Handled::Processed(())) => "processed",
+            Ok(Handled::Duplicate { .. }) => "duplicate",
+            Err(Error::Handler(_)) => "failed",
+            Err(Error::Inbox(InboxError::Key(_))) => "bad key",
+            Err(other) => panic!("{other:?}"),
+        })
+        .collect();
+    assert_eq!(
+        kinds,
+        [
+            "processed",
+            "failed",
+            "processed",
+            "duplicate",
+            "duplicate",
+            "bad key",
+            "processed"
+        ]
+    );
+    for (label, effects) in [
+        ("each-1", 1),
+        ("each-2", 0),
+        ("each-3", 1),
+        ("each-4", 1),
+        ("each-before", 1),
+    ] {
+        assert_eq!(h.effects_of("batch", label).await, effects, "{label}");
+    }
+    assert!(!h.inbox().is_processed("batch", "each-2").await.unwrap());
+    let retry = h
+        .deliver_batch_each(&[Delivery::new("each-2"), Delivery::new("each-3")])
+        .await
+        .unwrap();
+    assert!(
+        matches!(retry[0], Ok(Handled::Processed(()))),
+        "{:?}",
+        retry[0]
+    );
+    assert!(
+        matches!(retry[1], Ok(Handled::Duplicate { .. })),
+        "{:?}",
+        retry[1]
+    );
+    assert_eq!(h.effects_of("batch", "each-2").await, 1);
 }

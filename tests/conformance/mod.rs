@@ -478,6 +478,7 @@ macro_rules! conformance_tests {
             batch_runs_the_body_only_for_new_keys
             failing_body_rolls_back_the_whole_batch
             overlapping_concurrent_batches_have_one_effect_each
+            failing_message_in_a_batch_fails_alone
             body_that_swallows_a_failed_statement_is_never_processed_without_its_commit
             body_that_ends_the_transaction_is_never_reported_processed
             handler_dropped_at_every_await_point_leaves_a_pool_of_one_working

@@ -180,6 +180,13 @@ pub trait Harness {
         msgs: &[Delivery],
     ) -> impl Future<Output = Result<Vec<Handled<()>>, Error<TestError>>>;
 
+    /// Handles `msgs` as one batch with an outcome per message (`handle_batch_each`) for the
+    /// consumer `batch`.
+    fn deliver_batch_each(
+        &self,
+        msgs: &[Delivery],
+    ) -> impl Future<Output = Result<Vec<Outcome>, idempotent::InboxError>>;
+
     /// Inserts `rows` inbox rows for `consumer` directly, processed now.
     fn bulk_rows(&self, consumer: &str, rows: usize) -> impl Future<Output = ()>;
 
@@ -308,6 +315,20 @@ macro_rules! effect_handlers {
                 .await
         }
 
+        pub(crate) async fn deliver_batch_each(
+            inbox: &idempotent::InboxFor<$conn>,
+            msgs: &[Delivery],
+        ) -> Result<Vec<crate::support::Outcome>, idempotent::InboxError> {
+            inbox
+                .handle_batch_each(
+                    "batch",
+                    msgs,
+                    |msg| &msg.message_id,
+                    async |tx: &mut $conn, msg: &Delivery| effect(tx, "batch", msg).await,
+                )
+                .await
+        }
+
         pub(crate) async fn deliver(
             inbox: &idempotent::InboxFor<$conn>,
             consumer: crate::support::Consumer,
@@ -361,6 +382,13 @@ macro_rules! harness_methods {
             msgs: &[Delivery],
         ) -> Result<Vec<idempotent::Handled<()>>, idempotent::Error<crate::support::TestError>> {
             handlers::deliver_batch(&self.inbox, msgs).await
+        }
+
+        async fn deliver_batch_each(
+            &self,
+            msgs: &[Delivery],
+        ) -> Result<Vec<crate::support::Outcome>, idempotent::InboxError> {
+            handlers::deliver_batch_each(&self.inbox, msgs).await
         }
 
         async fn deliver_quote(&self, msg: &Delivery) -> Quote {

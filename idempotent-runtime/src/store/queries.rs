@@ -36,6 +36,15 @@ pub trait Queries: Store {
         fingerprint: Option<&'a [u8]>,
     ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send + 'a;
 
+    /// Deletes the claim of `(consumer, key)` this transaction inserted: its message failed, and a
+    /// redelivery must find the key free.
+    fn forget_claim<'a>(
+        conn: &'a mut Self::Connection,
+        statements: &'a Statements,
+        consumer: &'a str,
+        key: &'a [u8],
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a;
+
     /// Stores the body's serialized response on the claimed row, in the handler's transaction.
     fn set_response<'a>(
         conn: &'a mut Self::Connection,
@@ -158,6 +167,20 @@ where
             .execute(conn)
             .await?;
         Ok(done.rows() == 1)
+    }
+
+    async fn forget_claim(
+        conn: &mut DB::Connection,
+        statements: &Statements,
+        consumer: &str,
+        key: &[u8],
+    ) -> Result<(), sqlx::Error> {
+        sqlx::query(AssertSqlSafe(statements.forget_claim.clone()))
+            .bind(consumer)
+            .bind(key)
+            .execute(conn)
+            .await?;
+        Ok(())
     }
 
     async fn set_response(

@@ -47,6 +47,7 @@ pub struct Statements {
     pub(crate) claim: Arc<str>,
     pub(crate) stored: Arc<str>,
     pub(crate) set_response: Arc<str>,
+    pub(crate) forget_claim: Arc<str>,
     pub(crate) call_insert: Arc<str>,
     pub(crate) call_read: Arc<str>,
     pub(crate) call_take_over: Arc<str>,
@@ -107,6 +108,7 @@ impl Statements {
             "SELECT response, fingerprint FROM {t} WHERE {}",
             key(&mut p())
         );
+        let forget_claim = format!("DELETE FROM {t} WHERE {}", key(&mut p()));
         let set_response = {
             let mut p = p();
             let r = p.next();
@@ -150,6 +152,7 @@ impl Statements {
             claim: claim.into(),
             stored: stored.into(),
             set_response: set_response.into(),
+            forget_claim: forget_claim.into(),
             call_insert: call_insert.into(),
             call_read: call_read.into(),
             call_take_over: call_take_over.into(),
