@@ -13,7 +13,7 @@ use futures::StreamExt;
 use idempotent::broker::nats::async_nats::jetstream::{self, consumer, stream};
 use idempotent::broker::nats::async_nats::{self, HeaderMap};
 use idempotent::broker::nats::{ATTEMPTS_HEADER, REASON_HEADER, Runner};
-use idempotent::broker::{MessageId, RetryPolicy, Shutdown};
+use idempotent::broker::{Batches, MessageId, RetryPolicy, Shutdown};
 use runner::{Incoming, Kind, Order, Shop, eventually};
 
 fn nats_url() -> String {
@@ -329,4 +329,63 @@ async fn jetstream_deduplicates_publications_not_redeliveries() {
 
 async fn shop_handle(shop: &Shop, incoming: Incoming) -> idempotent::Handled<()> {
     runner::on_order(&shop.inbox, &incoming).await.unwrap()
+}
+
+/// Batch mode: one transaction per batch, each delivery settled by its own outcome. A poison
+/// message in the middle of a batch is dead-lettered alone, a flaky one retried alone, the others
+/// committed and acknowledged once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_with_a_failing_message_settles_each_message_by_its_own_outcome() {
+    let (jetstream, mut consumer, prefix) = setup(Duration::from_secs(30)).await;
+    let shop = Shop::new().await;
+    for i in 0..10 {
+        publish(&jetstream, &prefix, Some(&format!("b-{i}")), Kind::Ok).await;
+    }
+    publish(&jetstream, &prefix, Some("poison"), Kind::Poison).await;
+    publish(&jetstream, &prefix, Some("flaky"), Kind::Flaky(1)).await;
+    for i in 10..20 {
+        publish(&jetstream, &prefix, Some(&format!("b-{i}")), Kind::Ok).await;
+    }
+    publish(&jetstream, &prefix, Some("b-3"), Kind::Ok).await;
+    let policy = RetryPolicy::new(3, Duration::from_millis(100));
+    let runner = Runner::new(
+        jetstream.clone(),
+        consumer.clone(),
+        format!("{prefix}.dead"),
+    )
+    .retry(policy);
+    let shutdown = Shutdown::new();
+    let running = tokio::spawn(runner.shutdown_on(shutdown.clone()).run_batches(
+        shop.inbox.clone(),
+        "shop",
+        Batches::new(50, Duration::from_millis(50)),
+        {
+            let body = shop.batch_body();
+            let mut bodies = Some(body);
+            move || bodies.take().expect("one worker")
+        },
+    ));
+    eventually(Duration::from_secs(30), async || {
+        shop.effects().await.len() == 21 && stored(&jetstream, &format!("D_{prefix}")).await == 1
+    })
+    .await;
+    shutdown.cancel();
+    let stats = running.await.unwrap().unwrap();
+    let effects = shop.effects().await;
+    assert!(effects.values().all(|n| *n == 1), "{effects:?}");
+    assert!(effects.contains_key("flaky") && !effects.contains_key("poison"));
+    let letters = dead_letters(&jetstream, &prefix).await;
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    assert_eq!((letters[0].0.as_str(), letters[0].2), ("poison", 1));
+    assert_eq!(shop.attempts_of("flaky").len(), 2);
+    // JetStream itself dropped the retried publication of b-3 (the same Nats-Msg-Id).
+    assert_eq!(stats.duplicates, 0, "{stats:?}");
+    assert_eq!(
+        (stats.processed, stats.retried, stats.dead_lettered),
+        (21, 1, 1)
+    );
+    eventually(Duration::from_secs(5), async || {
+        unfinished(&mut consumer).await == 0
+    })
+    .await;
 }

@@ -9,7 +9,7 @@ mod runner;
 use std::time::{Duration, Instant};
 
 use idempotent::broker::rabbitmq::{ATTEMPTS_HEADER, REASON_HEADER, Runner};
-use idempotent::broker::{RetryPolicy, Shutdown};
+use idempotent::broker::{Batches, RetryPolicy, Shutdown};
 use lapin::options::{BasicGetOptions, BasicPublishOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
@@ -270,4 +270,59 @@ async fn many_workers_on_one_queue_have_each_effect_once() {
         stats.processed + stats.duplicates,
         (stats.processed + stats.duplicates) as f64 / elapsed.as_secs_f64()
     );
+}
+
+/// Batch mode: one transaction per batch, each delivery settled by its own outcome. A poison
+/// message in the middle of a batch is dead-lettered alone, a flaky one retried alone, the others
+/// committed and acknowledged once, duplicates (inside the batch and retried publications)
+/// acknowledged without running the body.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_with_a_failing_message_settles_each_message_by_its_own_outcome() {
+    let (connection, channel, queue) = queue().await;
+    let shop = Shop::new().await;
+    for i in 0..10 {
+        publish(&channel, &queue, Some(&format!("b-{i}")), Kind::Ok).await;
+    }
+    publish(&channel, &queue, Some("poison"), Kind::Poison).await;
+    publish(&channel, &queue, Some("flaky"), Kind::Flaky(1)).await;
+    for i in 10..20 {
+        publish(&channel, &queue, Some(&format!("b-{i}")), Kind::Ok).await;
+    }
+    publish(&channel, &queue, Some("b-3"), Kind::Ok).await;
+    let dead = format!("{queue}.dead");
+    let policy = RetryPolicy::new(3, Duration::from_millis(100));
+    let runner = Runner::new(channel.clone(), &queue).retry(policy);
+    let shutdown = Shutdown::new();
+    let running = tokio::spawn(runner.shutdown_on(shutdown.clone()).run_batches(
+        shop.inbox.clone(),
+        "shop",
+        Batches::new(50, Duration::from_millis(50)),
+        {
+            let body = shop.batch_body();
+            let mut bodies = Some(body);
+            move || bodies.take().expect("one worker")
+        },
+    ));
+    eventually(Duration::from_secs(30), async || {
+        shop.effects().await.len() == 21 && depth(&connection, &dead).await == 1
+    })
+    .await;
+    shutdown.cancel();
+    let stats = running.await.unwrap().unwrap();
+    let effects = shop.effects().await;
+    assert!(effects.values().all(|n| *n == 1), "{effects:?}");
+    assert!(effects.contains_key("flaky") && !effects.contains_key("poison"));
+    let letters = dead_letters(&channel, &dead).await;
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    assert_eq!((letters[0].0.as_str(), letters[0].2), ("poison", 1));
+    assert_eq!(shop.attempts_of("flaky").len(), 2);
+    assert!(stats.duplicates >= 1, "{stats:?}");
+    assert_eq!(
+        (stats.processed, stats.retried, stats.dead_lettered),
+        (21, 1, 1)
+    );
+    eventually(Duration::from_secs(5), async || {
+        depth(&connection, &queue).await == 0
+    })
+    .await;
 }

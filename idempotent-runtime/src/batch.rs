@@ -5,7 +5,7 @@ use std::collections::HashSet;
 use std::fmt;
 use std::sync::Arc;
 
-use crate::error::{Error, Fault, InboxError, Stage};
+use crate::error::{Error, InboxError, Stage};
 use crate::inbox::{Handled, Inbox, check_consumer, commit};
 use crate::key::{MessageKey, StableKey, message_key};
 use crate::metrics::Metrics;
@@ -37,6 +37,24 @@ impl<DB: Backend> ClaimedBatch<DB> {
         let claimed = self.new.iter().filter(|new| **new).count() as u64;
         commit(self.tx, None).await?;
         self.metrics.processed(claimed);
+        Ok(())
+    }
+
+    /// Gives up the claim of the message at `index` (its key is `key`), whose body failed and
+    /// whose savepoint was rolled back: the batch commits without it, and a redelivery finds its
+    /// key free.
+    pub(crate) async fn give_up(
+        &mut self,
+        index: usize,
+        statements: &crate::store::Statements,
+        consumer: &str,
+        key: &MessageKey,
+    ) -> Result<(), InboxError> {
+        DB::forget_claim(self.tx.connection(), statements, consumer, key.as_bytes())
+            .await
+            .map_err(database_error(Stage::Claim))?;
+        self.new[index] = false;
+        self.metrics.rolled_back(1);
         Ok(())
     }
 
@@ -224,15 +242,8 @@ impl<DB: Backend> Inbox<DB> {
                 .rollback()
                 .await
                 .map_err(database_error(Stage::Commit))?;
-            DB::forget_claim(batch.connection(), statements, consumer, key.as_bytes())
-                .await
-                .map_err(database_error(Stage::Claim))?;
-            batch.new[index] = false;
-            self.metrics.rolled_back(1);
-            outcomes.push(Err(match fault_of(&error) {
-                Fault::None => Error::Handler(error),
-                _ => Error::Transient(error),
-            }));
+            batch.give_up(index, statements, consumer, &key).await?;
+            outcomes.push(Err(Error::of_body(error, |e| fault_of(e))));
         }
         batch.commit().await?;
         Ok(outcomes)

@@ -245,6 +245,17 @@ impl<E> Error<E> {
     }
 }
 
+impl<E: std::error::Error + 'static> Error<E> {
+    /// A body's error: [`Error::Transient`] when a database failure is among its sources,
+    /// [`Error::Handler`] otherwise.
+    pub(crate) fn of_body(error: E, fault: impl FnOnce(&E) -> Fault) -> Self {
+        match fault(&error) {
+            Fault::None => Error::Handler(error),
+            _ => Error::Transient(error),
+        }
+    }
+}
+
 impl<E> From<InboxError> for Error<E> {
     fn from(error: InboxError) -> Self {
         Error::Inbox(error)

@@ -178,3 +178,50 @@ pub async fn eventually(limit: Duration, mut done: impl AsyncFnMut() -> bool) {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// The shop's body for a runner in batch mode: the same effect, on the batch's connection.
+pub struct ShopBody {
+    attempts: Arc<Mutex<Vec<Attempt>>>,
+}
+
+impl Shop {
+    pub fn batch_body(&self) -> ShopBody {
+        ShopBody {
+            attempts: self.attempts.clone(),
+        }
+    }
+}
+
+impl idempotent::broker::BatchBody<Sqlite, (), ShopError> for ShopBody {
+    fn run<'a>(
+        &'a mut self,
+        tx: &'a mut sqlx::SqliteConnection,
+        message: &'a Message,
+    ) -> futures::future::BoxFuture<'a, Result<(), ShopError>> {
+        Box::pin(async move {
+            self.attempts.lock().unwrap().push(Attempt {
+                message_id: message.message_id.0.clone(),
+                attempt: message.attempt,
+                at: Instant::now(),
+            });
+            let order: Order = serde_json::from_slice(&message.payload)?;
+            match order.kind {
+                // A lost race for a connection: transient, whatever the error type says.
+                Kind::Flaky(n) if message.attempt <= n => {
+                    return Err(sqlx::Error::PoolTimedOut.into());
+                }
+                Kind::AlwaysTransient => return Err(sqlx::Error::PoolTimedOut.into()),
+                Kind::Slow(ms) => tokio::time::sleep(Duration::from_millis(ms)).await,
+                _ => {}
+            }
+            sqlx::query("INSERT INTO effects (message_id) VALUES ($1)")
+                .bind(&message.message_id.0)
+                .execute(&mut *tx)
+                .await?;
+            match order.kind {
+                Kind::Poison => Err(ShopError::Poison),
+                _ => Ok(()),
+            }
+        })
+    }
+}

@@ -132,39 +132,59 @@ impl Route {
     ) -> Self {
         match outcome {
             Ok(_) => Route::Ack,
-            Err(error) if error.is_retryable() && attempt < policy.max_attempts => Route::Retry {
+            Err(error) => Self::failure(error.is_retryable(), &describe(error), attempt, policy),
+        }
+    }
+
+    /// The route of a delivery on its `attempt`-th attempt that failed, retryably or not, for
+    /// `reason`.
+    pub(crate) fn failure(
+        retryable: bool,
+        reason: &str,
+        attempt: u32,
+        policy: &RetryPolicy,
+    ) -> Self {
+        if retryable && attempt < policy.max_attempts {
+            Route::Retry {
                 attempt: attempt + 1,
                 after: policy.delay_after(attempt),
-            },
-            Err(error) if error.is_retryable() => Route::DeadLetter {
-                reason: format!(
-                    "still failing after {attempt} attempts: {}",
-                    describe(error)
-                ),
+            }
+        } else if retryable {
+            Route::DeadLetter {
+                reason: format!("still failing after {attempt} attempts: {reason}"),
                 attempts: attempt,
-            },
-            Err(error) => Route::DeadLetter {
-                reason: describe(error),
+            }
+        } else {
+            Route::DeadLetter {
+                reason: reason.to_owned(),
                 attempts: attempt,
-            },
+            }
         }
     }
 }
 
 /// A handler's error as one line: the error, and the causes of an inbox error.
 fn describe<E: fmt::Display>(error: &Error<E>) -> String {
-    let mut text = match error {
-        Error::Handler(e) | Error::Transient(e) => e.to_string(),
-        Error::Inbox(e) => e.to_string(),
-    };
-    if let Error::Inbox(e) = error {
-        let mut source = std::error::Error::source(e);
-        while let Some(cause) = source {
-            text.push_str(": ");
-            text.push_str(&cause.to_string());
-            source = cause.source();
-        }
+    match error {
+        Error::Handler(e) | Error::Transient(e) => shorten(e.to_string()),
+        Error::Inbox(e) => describe_inbox(e),
     }
+}
+
+/// An inbox error and its causes as one line.
+fn describe_inbox(error: &crate::error::InboxError) -> String {
+    let mut text = error.to_string();
+    let mut source = std::error::Error::source(error);
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    shorten(text)
+}
+
+/// At most a thousand bytes of `text`.
+fn shorten(mut text: String) -> String {
     // Headers are no place for a novel.
     if text.len() > 1000 {
         let mut end = 1000;
@@ -319,38 +339,50 @@ pub(crate) trait Delivery: Send + 'static {
     }
 }
 
-/// Takes deliveries while a worker is free and the runner is not shut down, and runs each on a free
-/// worker; returns when `deliveries` ends or `shutdown` is cancelled, once every delivery in flight
-/// is settled.
-pub(crate) async fn drive<D, S, F, W, Fut, T, E>(
+/// How many deliveries a worker takes at once.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Take {
+    /// At most this many.
+    pub(crate) most: usize,
+    /// Waiting at most this long for more, once it has one.
+    pub(crate) linger: Duration,
+}
+
+impl Take {
+    /// One delivery at a time.
+    pub(crate) const ONE: Take = Take {
+        most: 1,
+        linger: Duration::ZERO,
+    };
+}
+
+/// Takes deliveries while a worker is free and the runner is not shut down, `take` at a time,
+/// and runs them on the free worker with `process`, which hands the worker back when it is done;
+/// returns when `deliveries` ends or `shutdown` is cancelled, once every delivery in flight is
+/// settled.
+pub(crate) async fn drive<D, S, W, P, PF>(
     deliveries: S,
     shutdown: Shutdown,
-    workers: usize,
-    policy: RetryPolicy,
-    mut new_worker: F,
-    counters: Arc<Counters>,
+    workers: Vec<W>,
+    take: Take,
+    mut process: P,
 ) -> Result<(), BrokerError>
 where
     D: Delivery,
     S: futures_util::Stream<Item = Result<D, BrokerError>>,
-    F: FnMut() -> W,
-    W: FnMut(Message) -> Fut + Send + 'static,
-    Fut: Future<Output = Result<Handled<T>, Error<E>>> + Send,
-    T: Send + 'static,
-    E: fmt::Display + Send + 'static,
+    W: Send + 'static,
+    P: FnMut(W, Vec<D>) -> PF,
+    PF: Future<Output = (W, Result<(), BrokerError>)> + Send + 'static,
 {
     use futures_util::StreamExt;
     let mut deliveries = std::pin::pin!(deliveries);
-    let (idle_tx, mut idle) = tokio::sync::mpsc::channel(workers.max(1));
-    for _ in 0..workers.max(1) {
-        idle_tx
-            .send(new_worker())
-            .await
-            .expect("the receiver is here");
+    let (idle_tx, mut idle) = tokio::sync::mpsc::channel(workers.len().max(1));
+    for worker in workers {
+        idle_tx.send(worker).await.expect("the receiver is here");
     }
     let mut running = JoinSet::new();
     let mut failure = None;
-    loop {
+    'run: loop {
         // A free worker first, so that no delivery waits in the runner for one.
         let worker = tokio::select! {
             biased;
@@ -364,27 +396,46 @@ where
             }
             worker = idle.recv() => worker.expect("the sender is here"),
         };
-        let delivery = tokio::select! {
-            biased;
-            () = shutdown.cancelled() => break,
-            delivery = deliveries.next() => delivery,
-        };
-        let delivery = match delivery {
-            None => break,
-            Some(Err(error)) => {
-                failure = Some(error);
-                break;
+        let mut unit = Vec::with_capacity(take.most);
+        let deadline = tokio::time::Instant::now() + take.linger;
+        while unit.len() < take.most {
+            let more = async {
+                if unit.is_empty() {
+                    deliveries.next().await
+                } else {
+                    // Once it has one, a worker waits for more until the deadline only.
+                    tokio::time::timeout_at(deadline, deliveries.next())
+                        .await
+                        .unwrap_or(None)
+                }
+            };
+            let next = tokio::select! {
+                biased;
+                () = shutdown.cancelled(), if unit.is_empty() => break 'run,
+                next = more => next,
+            };
+            match next {
+                Some(Ok(delivery)) => unit.push(delivery),
+                Some(Err(error)) => {
+                    failure = Some(error);
+                    break;
+                }
+                None => break,
             }
-            Some(Ok(delivery)) => delivery,
-        };
+        }
+        if unit.is_empty() {
+            break;
+        }
         let idle_tx = idle_tx.clone();
-        let counters = counters.clone();
+        let processed = process(worker, unit);
         running.spawn(async move {
-            let mut worker = worker;
-            let settled = handle(&mut worker, delivery, &policy, &counters).await;
+            let (worker, settled) = processed.await;
             let _ = idle_tx.send(worker).await;
             settled
         });
+        if failure.is_some() {
+            break;
+        }
     }
     // Whatever stopped the runner, the deliveries in flight finish and are settled.
     while let Some(finished) = running.join_next().await {
@@ -393,6 +444,247 @@ where
         }
     }
     failure.map_or(Ok(()), Err)
+}
+
+/// The `process` of [`drive`] for handlers of one message at a time.
+pub(crate) fn one_at_a_time<D, W, Fut, T, E>(
+    policy: RetryPolicy,
+    counters: Arc<Counters>,
+) -> impl FnMut(W, Vec<D>) -> futures_util::future::BoxFuture<'static, (W, Result<(), BrokerError>)>
+where
+    D: Delivery,
+    W: FnMut(Message) -> Fut + Send + 'static,
+    Fut: Future<Output = Result<Handled<T>, Error<E>>> + Send,
+    T: Send + 'static,
+    E: fmt::Display + Send + 'static,
+{
+    move |mut worker: W, mut unit: Vec<D>| {
+        let counters = counters.clone();
+        Box::pin(async move {
+            let delivery = unit.pop().expect("a unit of one");
+            let settled = handle(&mut worker, delivery, &policy, &counters).await;
+            (worker, settled)
+        })
+    }
+}
+
+/// How a runner collects deliveries into batches: at most `size` messages in one transaction,
+/// waiting at most `linger` for more once it has one. See the runners' `run_batches`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Batches {
+    /// The most messages in one transaction (default 50; on PostgreSQL keep it under 64, see
+    /// [`Inbox::handle_batch_each`](crate::Inbox::handle_batch_each)).
+    pub size: usize,
+    /// How long a worker waits for more once it has one (default 5 ms).
+    pub linger: Duration,
+}
+
+impl Default for Batches {
+    fn default() -> Self {
+        Self {
+            size: 50,
+            linger: Duration::from_millis(5),
+        }
+    }
+}
+
+impl Batches {
+    /// Batches of at most `size` messages, waiting at most `linger` for more.
+    pub fn new(size: usize, linger: Duration) -> Self {
+        Self {
+            size: size.max(1),
+            linger,
+        }
+    }
+
+    pub(crate) fn take(self) -> Take {
+        Take {
+            most: self.size,
+            linger: self.linger,
+        }
+    }
+}
+
+/// The body of a message in a batch: runs on the batch transaction's connection (in a savepoint of
+/// its own) and returns its value or its error.
+pub trait BatchBody<DB: crate::store::Backend, T, E>: Send + 'static {
+    /// Runs the body for `message`.
+    fn run<'a>(
+        &'a mut self,
+        conn: &'a mut DB::Connection,
+        message: &'a Message,
+    ) -> futures_util::future::BoxFuture<'a, Result<T, E>>;
+}
+
+impl<DB, T, E, F> BatchBody<DB, T, E> for F
+where
+    DB: crate::store::Backend,
+    F: for<'a> FnMut(
+            &'a mut DB::Connection,
+            &'a Message,
+        ) -> futures_util::future::BoxFuture<'a, Result<T, E>>
+        + Send
+        + 'static,
+{
+    fn run<'a>(
+        &'a mut self,
+        conn: &'a mut DB::Connection,
+        message: &'a Message,
+    ) -> futures_util::future::BoxFuture<'a, Result<T, E>> {
+        self(conn, message)
+    }
+}
+
+/// A worker of a runner in batch mode: its inbox, and its body.
+pub(crate) struct BatchWorker<DB: crate::store::Backend, B> {
+    pub(crate) inbox: crate::inbox::Inbox<DB>,
+    pub(crate) body: B,
+}
+
+/// The `process` of [`drive`] for batches: one transaction per batch
+/// ([`Inbox::handle_batch_each`](crate::Inbox::handle_batch_each)), then each delivery settled by
+/// its own outcome.
+pub(crate) fn in_batches<D, DB, B, T, E>(
+    consumer: Arc<str>,
+    policy: RetryPolicy,
+    counters: Arc<Counters>,
+) -> impl FnMut(
+    BatchWorker<DB, B>,
+    Vec<D>,
+) -> futures_util::future::BoxFuture<
+    'static,
+    (BatchWorker<DB, B>, Result<(), BrokerError>),
+>
+where
+    D: Delivery,
+    DB: crate::store::Backend,
+    B: BatchBody<DB, T, E>,
+    T: Send + 'static,
+    E: std::error::Error + Send + 'static,
+{
+    move |mut worker: BatchWorker<DB, B>, unit: Vec<D>| {
+        let (consumer, counters) = (consumer.clone(), counters.clone());
+        Box::pin(async move {
+            let mut taken = Vec::with_capacity(unit.len());
+            let mut settled = Vec::new();
+            for delivery in unit {
+                match delivery.message() {
+                    Ok(message) => taken.push((delivery, message)),
+                    Err(reason) => {
+                        counters.dead_lettered.fetch_add(1, Ordering::Relaxed);
+                        settled.push(delivery.settle(Route::DeadLetter {
+                            reason,
+                            attempts: 1,
+                        }));
+                    }
+                }
+            }
+            let (deliveries, messages): (Vec<D>, Vec<Message>) = taken.into_iter().unzip();
+            let span = tracing::info_span!("batch", size = messages.len());
+            let outcomes =
+                tracing::Instrument::instrument(run_batch(&mut worker, &consumer, &messages), span)
+                    .await;
+            let routes: Vec<Route> = match &outcomes {
+                Ok(outcomes) => outcomes
+                    .iter()
+                    .zip(&messages)
+                    .map(|(outcome, message)| {
+                        let route = Route::of(outcome, message.attempt, &policy);
+                        counters.count(outcome, &route);
+                        route
+                    })
+                    .collect(),
+                Err(error) => {
+                    let reason = describe_inbox(error);
+                    tracing::warn!(%reason, "the batch failed as a whole");
+                    messages
+                        .iter()
+                        .map(|message| {
+                            let route = Route::failure(
+                                error.is_retryable(),
+                                &reason,
+                                message.attempt,
+                                &policy,
+                            );
+                            let outcome: Result<Handled<()>, Error<E>> =
+                                Err(Error::Inbox(crate::error::InboxError::TransactionAborted));
+                            counters.count(&outcome, &route);
+                            route
+                        })
+                        .collect()
+                }
+            };
+            for (delivery, route) in deliveries.into_iter().zip(routes) {
+                settled.push(delivery.settle(route));
+            }
+            let settled = futures_util::future::join_all(settled).await;
+            (worker, settled.into_iter().collect::<Result<(), _>>())
+        })
+    }
+}
+
+/// Handles `messages` in one transaction with an outcome each, as
+/// [`Inbox::handle_batch_each`](crate::Inbox::handle_batch_each) does, with the body a worker of a
+/// runner has (whose futures are `Send`, so that batches run on worker tasks).
+async fn run_batch<DB, B, T, E>(
+    worker: &mut BatchWorker<DB, B>,
+    consumer: &str,
+    messages: &[Message],
+) -> Result<Vec<Result<Handled<T>, Error<E>>>, crate::error::InboxError>
+where
+    DB: crate::store::Backend,
+    B: BatchBody<DB, T, E>,
+    E: std::error::Error + 'static,
+{
+    use sqlx::Connection;
+
+    use crate::store::database_error;
+
+    let keys = messages
+        .iter()
+        .map(|message| crate::key::message_key(&message.message_id))
+        .collect::<Result<Vec<_>, _>>()?;
+    let inbox = &worker.inbox;
+    let mut batch = inbox.claim_batch(consumer, &keys).await?;
+    let mut outcomes = Vec::with_capacity(messages.len());
+    for (index, (message, key)) in messages.iter().zip(keys).enumerate() {
+        if !batch.is_new(index) {
+            outcomes.push(Ok(Handled::Duplicate {
+                consumer: consumer.to_owned(),
+                key,
+                response: None,
+            }));
+            continue;
+        }
+        let mut nested = batch
+            .connection()
+            .begin()
+            .await
+            .map_err(database_error(crate::error::Stage::Claim))?;
+        let outcome = worker.body.run(&mut nested, message).await;
+        let error = match outcome {
+            Ok(value) => {
+                nested
+                    .commit()
+                    .await
+                    .map_err(database_error(crate::error::Stage::Commit))?;
+                outcomes.push(Ok(Handled::Processed(value)));
+                continue;
+            }
+            Err(error) => error,
+        };
+        nested
+            .rollback()
+            .await
+            .map_err(database_error(crate::error::Stage::Commit))?;
+        batch
+            .give_up(index, &inbox.config.statements, consumer, &key)
+            .await?;
+        outcomes.push(Err(Error::of_body(error, |e| crate::store::fault_of(e))));
+    }
+    batch.commit().await?;
+    Ok(outcomes)
 }
 
 /// Runs one delivery through a worker's handler and settles it by the outcome.

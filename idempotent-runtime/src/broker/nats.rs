@@ -61,12 +61,14 @@ use async_nats::jetstream::{self, AckKind};
 use futures_util::StreamExt;
 
 use super::{
-    BrokerError, Counters, Delivery, Message, MessageId, Redelivered, RetryPolicy, Route,
-    RunnerStats, Shutdown, StreamSequence, drive,
+    BatchBody, BatchWorker, Batches, BrokerError, Counters, Delivery, Message, MessageId,
+    Redelivered, RetryPolicy, Route, RunnerStats, Shutdown, StreamSequence, Take, drive,
+    in_batches, one_at_a_time,
 };
 use crate::error::Error;
-use crate::inbox::Handled;
+use crate::inbox::{Handled, Inbox};
 use crate::markers::DeliveryTag;
+use crate::store::Backend;
 
 /// The header that carries a dead letter's reason.
 pub const REASON_HEADER: &str = "Idempotent-Reason";
@@ -145,13 +147,60 @@ impl Runner {
 
     /// Consumes until the shutdown token is cancelled (or the consumer's stream fails), with a
     /// handler from `new_worker` per worker. Returns what it counted.
-    pub async fn run<F, W, Fut, T, E>(self, new_worker: F) -> Result<RunnerStats, BrokerError>
+    pub async fn run<F, W, Fut, T, E>(self, mut new_worker: F) -> Result<RunnerStats, BrokerError>
     where
         F: FnMut() -> W,
         W: FnMut(Message) -> Fut + Send + 'static,
         Fut: Future<Output = Result<Handled<T>, Error<E>>> + Send,
         T: Send + 'static,
         E: fmt::Display + Send + 'static,
+    {
+        let workers = (0..self.workers).map(|_| new_worker()).collect();
+        let process = one_at_a_time(self.retry, self.counters.clone());
+        self.consume(workers, Take::ONE, process).await
+    }
+
+    /// Consumes as [`run`](Self::run) does, handling the deliveries in batches: a worker takes up
+    /// to `batches.size` deliveries, runs `body` for each new message in one transaction on its
+    /// worker's inbox (each in a savepoint, as
+    /// [`Inbox::handle_batch_each`](crate::Inbox::handle_batch_each) does), commits once, then
+    /// settles each delivery by its own outcome.
+    pub async fn run_batches<DB, F, B, T, E>(
+        self,
+        inbox: Inbox<DB>,
+        consumer: impl Into<String>,
+        batches: Batches,
+        mut new_body: F,
+    ) -> Result<RunnerStats, BrokerError>
+    where
+        DB: Backend,
+        F: FnMut() -> B,
+        B: BatchBody<DB, T, E>,
+        T: Send + 'static,
+        E: std::error::Error + Send + 'static,
+    {
+        let workers = (0..self.workers)
+            .map(|_| BatchWorker {
+                inbox: inbox.for_worker(),
+                body: new_body(),
+            })
+            .collect();
+        let consumer: String = consumer.into();
+        let process = in_batches(consumer.into(), self.retry, self.counters.clone());
+        self.consume(workers, batches.take(), process).await
+    }
+
+    /// Pulls from the consumer and drives the workers.
+    async fn consume<W, P, PF>(
+        self,
+        workers: Vec<W>,
+        take: Take,
+        process: P,
+    ) -> Result<RunnerStats, BrokerError>
+    where
+        W: Send + 'static,
+        P: FnMut(W, Vec<NatsDelivery>) -> PF,
+        PF: Future<Output = (W, Result<(), BrokerError>)> + Send + 'static,
     {
         let ack_wait = self.consumer.cached_info().config.ack_wait;
         let context = Arc::new(Context {
@@ -163,7 +212,7 @@ impl Runner {
         let mut messages = self
             .consumer
             .stream()
-            .max_messages_per_batch(self.workers)
+            .max_messages_per_batch(self.workers * take.most)
             .messages()
             .await
             .map_err(BrokerError::broker)?;
@@ -175,15 +224,7 @@ impl Runner {
                 })
                 .map_err(BrokerError::broker)
         });
-        let driven = drive(
-            deliveries,
-            self.shutdown.clone(),
-            self.workers,
-            self.retry,
-            new_worker,
-            self.counters.clone(),
-        )
-        .await;
+        let driven = drive(deliveries, self.shutdown.clone(), workers, take, process).await;
         // Pulled but not started: back to JetStream at once.
         while let Ok(Some(Ok(message))) =
             tokio::time::timeout(Duration::from_millis(50), messages.next()).await

@@ -61,12 +61,13 @@ use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Confirmation};
 
 use super::{
-    BrokerError, Counters, Delivery, Message, MessageId, Redelivered, RetryPolicy, Route,
-    RunnerStats, Shutdown, drive,
+    BatchBody, BatchWorker, Batches, BrokerError, Counters, Delivery, Message, MessageId,
+    Redelivered, RetryPolicy, Route, RunnerStats, Shutdown, Take, drive, in_batches, one_at_a_time,
 };
 use crate::error::Error;
-use crate::inbox::Handled;
+use crate::inbox::{Handled, Inbox};
 use crate::markers::DeliveryTag;
+use crate::store::Backend;
 
 /// The header that carries a retried delivery's attempt number.
 pub const ATTEMPT_HEADER: &str = "x-idempotent-attempt";
@@ -156,7 +157,7 @@ impl Runner {
 
     /// Consumes until the queue's consumer ends or the shutdown token is cancelled, with a handler
     /// from `new_worker` per worker. Returns what it counted.
-    pub async fn run<F, W, Fut, T, E>(self, new_worker: F) -> Result<RunnerStats, BrokerError>
+    pub async fn run<F, W, Fut, T, E>(self, mut new_worker: F) -> Result<RunnerStats, BrokerError>
     where
         F: FnMut() -> W,
         W: FnMut(Message) -> Fut + Send + 'static,
@@ -164,16 +165,62 @@ impl Runner {
         T: Send + 'static,
         E: fmt::Display + Send + 'static,
     {
+        let workers = (0..self.workers).map(|_| new_worker()).collect();
+        let process = one_at_a_time(self.retry, self.counters.clone());
+        self.consume(workers, Take::ONE, process).await
+    }
+
+    /// Consumes as [`run`](Self::run) does, handling the deliveries in batches: a worker takes up
+    /// to `batches.size` deliveries, runs `body` for each new message in one transaction on its
+    /// worker's inbox (each in a savepoint, as
+    /// [`Inbox::handle_batch_each`](crate::Inbox::handle_batch_each) does), commits once, then
+    /// settles each delivery by its own outcome: the good ones and the duplicates are
+    /// acknowledged, a failing one retried or dead-lettered alone.
+    pub async fn run_batches<DB, F, B, T, E>(
+        self,
+        inbox: Inbox<DB>,
+        consumer: impl Into<String>,
+        batches: Batches,
+        mut new_body: F,
+    ) -> Result<RunnerStats, BrokerError>
+    where
+        DB: Backend,
+        F: FnMut() -> B,
+        B: BatchBody<DB, T, E>,
+        T: Send + 'static,
+        E: std::error::Error + Send + 'static,
+    {
+        let workers = (0..self.workers)
+            .map(|_| BatchWorker {
+                inbox: inbox.for_worker(),
+                body: new_body(),
+            })
+            .collect();
+        let consumer: String = consumer.into();
+        let process = in_batches(consumer.into(), self.retry, self.counters.clone());
+        self.consume(workers, batches.take(), process).await
+    }
+
+    /// Declares the runner's queues, consumes, and drives the workers.
+    async fn consume<W, P, PF>(
+        self,
+        workers: Vec<W>,
+        take: Take,
+        process: P,
+    ) -> Result<RunnerStats, BrokerError>
+    where
+        W: Send + 'static,
+        P: FnMut(W, Vec<AmqpDelivery>) -> PF,
+        PF: Future<Output = (W, Result<(), BrokerError>)> + Send + 'static,
+    {
         let channel = &self.channel;
         channel
             .confirm_select(ConfirmSelectOptions::default())
             .await
             .map_err(BrokerError::broker)?;
+        let prefetch = (self.workers * take.most).min(u16::MAX as usize) as u16;
         channel
-            .basic_qos(
-                self.workers.min(u16::MAX as usize) as u16,
-                BasicQosOptions::default(),
-            )
+            .basic_qos(prefetch, BasicQosOptions::default())
             .await
             .map_err(BrokerError::broker)?;
         let delays: BTreeSet<Duration> = (1..self.retry.max_attempts)
@@ -221,15 +268,7 @@ impl Runner {
                 })
                 .map_err(BrokerError::broker)
         });
-        let driven = drive(
-            deliveries,
-            self.shutdown.clone(),
-            self.workers,
-            self.retry,
-            new_worker,
-            self.counters.clone(),
-        )
-        .await;
+        let driven = drive(deliveries, self.shutdown.clone(), workers, take, process).await;
         // No more deliveries: cancel the consumer, and hand back those received but not started.
         let cancelled = channel
             .basic_cancel(tag, BasicCancelOptions::default())
