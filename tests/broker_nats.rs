@@ -13,7 +13,7 @@ use futures::StreamExt;
 use idempotent::broker::nats::async_nats::jetstream::{self, consumer, stream};
 use idempotent::broker::nats::async_nats::{self, HeaderMap};
 use idempotent::broker::nats::{ATTEMPTS_HEADER, REASON_HEADER, Runner};
-use idempotent::broker::{Batches, MessageId, RetryPolicy, Shutdown};
+use idempotent::broker::{Batches, BeforeSettle, MessageId, RetryPolicy, Shutdown};
 use runner::{Incoming, Kind, Order, Shop, eventually};
 
 fn nats_url() -> String {
@@ -388,4 +388,82 @@ async fn a_batch_with_a_failing_message_settles_each_message_by_its_own_outcome(
         unfinished(&mut consumer).await == 0
     })
     .await;
+}
+
+/// Batch mode with a crash between a batch's commit and its acknowledgements, three times: the
+/// runner stops for good before it settles the first delivery of a committed batch (its
+/// `before_settle` hook never returns), and is dropped with its connection, as a process that
+/// dies there. Every message of the crashed batches comes back and is found to be a duplicate;
+/// every effect happens once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_crashed_between_commit_and_ack_have_each_effect_once() {
+    let (jetstream, mut consumer, prefix) = setup(Duration::from_secs(1)).await;
+    let shop = Shop::new().await;
+    const MESSAGES: usize = 100;
+    for i in 0..MESSAGES {
+        publish(&jetstream, &prefix, Some(&format!("c-{i}")), Kind::Ok).await;
+    }
+    let dead = format!("{prefix}.dead");
+    let batches = Batches::new(10, Duration::from_millis(20));
+    let mut crashed_batches = 0;
+    for _ in 0..3 {
+        let client = async_nats::connect(nats_url()).await.unwrap();
+        let crashing = jetstream::new(client.clone());
+        let stream = crashing.get_stream(format!("S_{prefix}")).await.unwrap();
+        let on_crashing: consumer::PullConsumer = stream.get_consumer("shop").await.unwrap();
+        let runner = Runner::new(crashing, on_crashing, &dead);
+        let (committed, mut told) = tokio::sync::mpsc::channel(1);
+        let hook: BeforeSettle = std::sync::Arc::new(move |_, _| {
+            let committed = committed.clone();
+            Box::pin(async move {
+                let _ = committed.try_send(());
+                std::future::pending::<()>().await // the process "dies" here
+            })
+        });
+        let mut body = Some(shop.batch_body());
+        let running = tokio::spawn(runner.before_settle(hook).run_batches(
+            shop.inbox.clone(),
+            "shop",
+            batches,
+            move || body.take().expect("one worker"),
+        ));
+        tokio::time::timeout(Duration::from_secs(30), told.recv())
+            .await
+            .expect("a batch was committed");
+        running.abort();
+        let _ = running.await;
+        drop(client); // what was not acknowledged comes back after ack_wait
+        crashed_batches += 1;
+    }
+    let committed_before_crashes = shop.effects().await.len();
+    assert!(
+        committed_before_crashes >= crashed_batches,
+        "{committed_before_crashes}"
+    );
+    let runner = Runner::new(jetstream.clone(), consumer.clone(), &dead);
+    let shutdown = Shutdown::new();
+    let mut body = Some(shop.batch_body());
+    let running = tokio::spawn(runner.shutdown_on(shutdown.clone()).run_batches(
+        shop.inbox.clone(),
+        "shop",
+        batches,
+        move || body.take().expect("one worker"),
+    ));
+    eventually(Duration::from_secs(60), async || {
+        shop.effects().await.len() == MESSAGES && unfinished(&mut consumer).await == 0
+    })
+    .await;
+    shutdown.cancel();
+    let stats = running.await.unwrap().unwrap();
+    let effects = shop.effects().await;
+    assert!(
+        effects.values().all(|n| *n == 1),
+        "an effect happened twice"
+    );
+    // Every message committed before a crash came back unacknowledged, and was a duplicate.
+    assert_eq!(stats.duplicates as usize, committed_before_crashes);
+    assert_eq!(
+        stats.processed as usize,
+        MESSAGES - committed_before_crashes
+    );
 }

@@ -9,7 +9,7 @@ mod runner;
 use std::time::{Duration, Instant};
 
 use idempotent::broker::rabbitmq::{ATTEMPTS_HEADER, REASON_HEADER, Runner};
-use idempotent::broker::{Batches, RetryPolicy, Shutdown};
+use idempotent::broker::{Batches, BeforeSettle, RetryPolicy, Shutdown};
 use lapin::options::{BasicGetOptions, BasicPublishOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
@@ -325,4 +325,80 @@ async fn a_batch_with_a_failing_message_settles_each_message_by_its_own_outcome(
         depth(&connection, &queue).await == 0
     })
     .await;
+}
+
+/// Batch mode with a crash between a batch's commit and its acknowledgements, three times: the
+/// runner stops for good before it settles the first delivery of a committed batch (its
+/// `before_settle` hook never returns), and is dropped with its connection, as a process that
+/// dies there. Every message of the crashed batches comes back and is found to be a duplicate;
+/// every effect happens once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_crashed_between_commit_and_ack_have_each_effect_once() {
+    let (connection, channel, queue) = queue().await;
+    let shop = Shop::new().await;
+    const MESSAGES: usize = 100;
+    for i in 0..MESSAGES {
+        publish(&channel, &queue, Some(&format!("c-{i}")), Kind::Ok).await;
+    }
+    let batches = Batches::new(10, Duration::from_millis(20));
+    let mut crashed_batches = 0;
+    for _ in 0..3 {
+        let crashing = Connection::connect(&amqp_url(), ConnectionProperties::default())
+            .await
+            .unwrap();
+        let runner = Runner::new(crashing.create_channel().await.unwrap(), &queue);
+        let (committed, mut told) = tokio::sync::mpsc::channel(1);
+        let hook: BeforeSettle = std::sync::Arc::new(move |_, _| {
+            let committed = committed.clone();
+            Box::pin(async move {
+                let _ = committed.try_send(());
+                std::future::pending::<()>().await // the process "dies" here
+            })
+        });
+        let mut body = Some(shop.batch_body());
+        let running = tokio::spawn(runner.before_settle(hook).run_batches(
+            shop.inbox.clone(),
+            "shop",
+            batches,
+            move || body.take().expect("one worker"),
+        ));
+        tokio::time::timeout(Duration::from_secs(30), told.recv())
+            .await
+            .expect("a batch was committed");
+        running.abort();
+        let _ = running.await;
+        drop(crashing); // the broker requeues what was not acknowledged
+        crashed_batches += 1;
+    }
+    let committed_before_crashes = shop.effects().await.len();
+    assert!(
+        committed_before_crashes >= crashed_batches,
+        "{committed_before_crashes}"
+    );
+    let runner = Runner::new(channel.clone(), &queue);
+    let shutdown = Shutdown::new();
+    let mut body = Some(shop.batch_body());
+    let running = tokio::spawn(runner.shutdown_on(shutdown.clone()).run_batches(
+        shop.inbox.clone(),
+        "shop",
+        batches,
+        move || body.take().expect("one worker"),
+    ));
+    eventually(Duration::from_secs(60), async || {
+        shop.effects().await.len() == MESSAGES && depth(&connection, &queue).await == 0
+    })
+    .await;
+    shutdown.cancel();
+    let stats = running.await.unwrap().unwrap();
+    let effects = shop.effects().await;
+    assert!(
+        effects.values().all(|n| *n == 1),
+        "an effect happened twice"
+    );
+    // Every message committed before a crash came back unacknowledged, and was a duplicate.
+    assert_eq!(stats.duplicates as usize, committed_before_crashes);
+    assert_eq!(
+        stats.processed as usize,
+        MESSAGES - committed_before_crashes
+    );
 }

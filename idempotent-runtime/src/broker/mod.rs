@@ -282,12 +282,13 @@ pub(crate) struct Counters {
 }
 
 impl Counters {
-    fn count<T, E>(&self, outcome: &Result<Handled<T>, Error<E>>, route: &Route) {
-        let counter = match (route, outcome) {
-            (Route::Ack, Ok(Handled::Duplicate { .. })) => &self.duplicates,
-            (Route::Ack, _) => &self.processed,
-            (Route::Retry { .. }, _) => &self.retried,
-            (Route::DeadLetter { .. }, _) => &self.dead_lettered,
+    /// Counts a delivery settled by `route`, which was a duplicate or not.
+    fn count(&self, route: &Route, duplicate: bool) {
+        let counter = match route {
+            Route::Ack if duplicate => &self.duplicates,
+            Route::Ack => &self.processed,
+            Route::Retry { .. } => &self.retried,
+            Route::DeadLetter { .. } => &self.dead_lettered,
         };
         counter.fetch_add(1, Ordering::Relaxed);
     }
@@ -299,6 +300,37 @@ impl Counters {
             retried: self.retried.load(Ordering::Relaxed),
             dead_lettered: self.dead_lettered.load(Ordering::Relaxed),
         }
+    }
+}
+
+/// Called with each delivery's message and route once the outcome is known, before the runner
+/// settles the delivery; see the runners' `before_settle`.
+pub type BeforeSettle =
+    Arc<dyn Fn(&Message, &Route) -> futures_util::future::BoxFuture<'static, ()> + Send + Sync>;
+
+/// What a runner does with outcomes: its retry policy, its counters, and what it calls before it
+/// settles a delivery.
+pub(crate) struct Settler {
+    pub(crate) policy: RetryPolicy,
+    pub(crate) counters: Arc<Counters>,
+    pub(crate) before: Option<BeforeSettle>,
+}
+
+impl Settler {
+    /// Counts and settles `delivery` by `route` (`duplicate`: its message was one), after the
+    /// hook, which sees its message.
+    async fn settle<D: Delivery>(
+        &self,
+        delivery: D,
+        message: Option<&Message>,
+        route: Route,
+        duplicate: bool,
+    ) -> Result<(), BrokerError> {
+        self.counters.count(&route, duplicate);
+        if let (Some(before), Some(message)) = (&self.before, message) {
+            before(message, &route).await;
+        }
+        delivery.settle(route).await
     }
 }
 
@@ -448,8 +480,7 @@ where
 
 /// The `process` of [`drive`] for handlers of one message at a time.
 pub(crate) fn one_at_a_time<D, W, Fut, T, E>(
-    policy: RetryPolicy,
-    counters: Arc<Counters>,
+    settler: Arc<Settler>,
 ) -> impl FnMut(W, Vec<D>) -> futures_util::future::BoxFuture<'static, (W, Result<(), BrokerError>)>
 where
     D: Delivery,
@@ -459,10 +490,10 @@ where
     E: fmt::Display + Send + 'static,
 {
     move |mut worker: W, mut unit: Vec<D>| {
-        let counters = counters.clone();
+        let settler = settler.clone();
         Box::pin(async move {
             let delivery = unit.pop().expect("a unit of one");
-            let settled = handle(&mut worker, delivery, &policy, &counters).await;
+            let settled = handle(&mut worker, delivery, &settler).await;
             (worker, settled)
         })
     }
@@ -547,8 +578,7 @@ pub(crate) struct BatchWorker<DB: crate::store::Backend, B> {
 /// its own outcome.
 pub(crate) fn in_batches<D, DB, B, T, E>(
     consumer: Arc<str>,
-    policy: RetryPolicy,
-    counters: Arc<Counters>,
+    settler: Arc<Settler>,
 ) -> impl FnMut(
     BatchWorker<DB, B>,
     Vec<D>,
@@ -564,20 +594,14 @@ where
     E: std::error::Error + Send + 'static,
 {
     move |mut worker: BatchWorker<DB, B>, unit: Vec<D>| {
-        let (consumer, counters) = (consumer.clone(), counters.clone());
+        let (consumer, settler) = (consumer.clone(), settler.clone());
         Box::pin(async move {
             let mut taken = Vec::with_capacity(unit.len());
-            let mut settled = Vec::new();
+            let mut keyless = Vec::new();
             for delivery in unit {
                 match delivery.message() {
                     Ok(message) => taken.push((delivery, message)),
-                    Err(reason) => {
-                        counters.dead_lettered.fetch_add(1, Ordering::Relaxed);
-                        settled.push(delivery.settle(Route::DeadLetter {
-                            reason,
-                            attempts: 1,
-                        }));
-                    }
+                    Err(reason) => keyless.push((delivery, reason)),
                 }
             }
             let (deliveries, messages): (Vec<D>, Vec<Message>) = taken.into_iter().unzip();
@@ -585,17 +609,18 @@ where
             let outcomes =
                 tracing::Instrument::instrument(run_batch(&mut worker, &consumer, &messages), span)
                     .await;
-            let routes: Vec<Route> = match &outcomes {
+            let policy = &settler.policy;
+            let routes: Vec<(Route, bool)> = match &outcomes {
                 Ok(outcomes) => outcomes
                     .iter()
                     .zip(&messages)
                     .map(|(outcome, message)| {
-                        let route = Route::of(outcome, message.attempt, &policy);
-                        counters.count(outcome, &route);
-                        route
+                        let duplicate = matches!(outcome, Ok(Handled::Duplicate { .. }));
+                        (Route::of(outcome, message.attempt, policy), duplicate)
                     })
                     .collect(),
                 Err(error) => {
+                    // Every message shares the batch's fate.
                     let reason = describe_inbox(error);
                     tracing::warn!(%reason, "the batch failed as a whole");
                     messages
@@ -605,18 +630,32 @@ where
                                 error.is_retryable(),
                                 &reason,
                                 message.attempt,
-                                &policy,
+                                policy,
                             );
-                            let outcome: Result<Handled<()>, Error<E>> =
-                                Err(Error::Inbox(crate::error::InboxError::TransactionAborted));
-                            counters.count(&outcome, &route);
-                            route
+                            (route, false)
                         })
                         .collect()
                 }
             };
-            for (delivery, route) in deliveries.into_iter().zip(routes) {
-                settled.push(delivery.settle(route));
+            let settler = &settler;
+            let mut settled = Vec::new();
+            for (delivery, reason) in keyless {
+                let route = Route::DeadLetter {
+                    reason,
+                    attempts: 1,
+                };
+                settled.push(Box::pin(settler.settle(delivery, None, route, false))
+                    as futures_util::future::BoxFuture<'_, Result<(), BrokerError>>);
+            }
+            for ((delivery, message), (route, duplicate)) in
+                deliveries.into_iter().zip(&messages).zip(routes)
+            {
+                settled.push(Box::pin(settler.settle(
+                    delivery,
+                    Some(message),
+                    route,
+                    duplicate,
+                )));
             }
             let settled = futures_util::future::join_all(settled).await;
             (worker, settled.into_iter().collect::<Result<(), _>>())
@@ -691,8 +730,7 @@ where
 async fn handle<D, W, Fut, T, E>(
     worker: &mut W,
     delivery: D,
-    policy: &RetryPolicy,
-    counters: &Counters,
+    settler: &Settler,
 ) -> Result<(), BrokerError>
 where
     D: Delivery,
@@ -704,16 +742,15 @@ where
         Ok(message) => message,
         Err(reason) => {
             tracing::warn!(%reason, "dead-lettering a delivery the handler cannot take");
-            counters.dead_lettered.fetch_add(1, Ordering::Relaxed);
-            return delivery
-                .settle(Route::DeadLetter {
-                    reason,
-                    attempts: 1,
-                })
-                .await;
+            let route = Route::DeadLetter {
+                reason,
+                attempts: 1,
+            };
+            return settler.settle(delivery, None, route, false).await;
         }
     };
     let attempt = message.attempt;
+    let kept = settler.before.is_some().then(|| message.clone());
     let span = tracing::info_span!(
         "delivery",
         message_id = %message.message_id,
@@ -730,8 +767,8 @@ where
             () = &mut alive => call.await,
         }
     };
-    let route = Route::of(&outcome, attempt, policy);
-    counters.count(&outcome, &route);
+    let route = Route::of(&outcome, attempt, &settler.policy);
+    let duplicate = matches!(outcome, Ok(Handled::Duplicate { .. }));
     span.record("route", tracing::field::debug(&route));
     match &route {
         Route::Ack => {}
@@ -742,7 +779,9 @@ where
             tracing::warn!(parent: &span, %reason, attempts, "dead-lettering")
         }
     }
-    delivery.settle(route).await
+    settler
+        .settle(delivery, kept.as_ref(), route, duplicate)
+        .await
 }
 
 #[cfg(test)]

@@ -61,8 +61,9 @@ use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Confirmation};
 
 use super::{
-    BatchBody, BatchWorker, Batches, BrokerError, Counters, Delivery, Message, MessageId,
-    Redelivered, RetryPolicy, Route, RunnerStats, Shutdown, Take, drive, in_batches, one_at_a_time,
+    BatchBody, BatchWorker, Batches, BeforeSettle, BrokerError, Counters, Delivery, Message,
+    MessageId, Redelivered, RetryPolicy, Route, RunnerStats, Settler, Shutdown, Take, drive,
+    in_batches, one_at_a_time,
 };
 use crate::error::Error;
 use crate::inbox::{Handled, Inbox};
@@ -80,7 +81,6 @@ pub const QUEUE_HEADER: &str = "x-idempotent-queue";
 
 /// Consumes one queue and settles each delivery by its handler's outcome; see the
 /// [module docs](self).
-#[derive(Debug)]
 pub struct Runner {
     channel: Channel,
     queue: String,
@@ -90,6 +90,17 @@ pub struct Runner {
     consumer_tag: String,
     shutdown: Shutdown,
     counters: Arc<Counters>,
+    before_settle: Option<BeforeSettle>,
+}
+
+impl fmt::Debug for Runner {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Runner")
+            .field("queue", &self.queue)
+            .field("workers", &self.workers)
+            .field("retry", &self.retry)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Runner {
@@ -105,6 +116,7 @@ impl Runner {
             consumer_tag: String::new(),
             shutdown: Shutdown::new(),
             counters: Arc::default(),
+            before_settle: None,
         }
     }
 
@@ -137,6 +149,24 @@ impl Runner {
         Self { shutdown, ..self }
     }
 
+    /// Calls `hook` with each delivery's message and route once its outcome is known, before the
+    /// runner settles it (for logging, auditing or tests); the delivery is settled when the hook's
+    /// future completes. Deliveries dead-lettered for lack of a message id are not shown to it.
+    pub fn before_settle(self, hook: BeforeSettle) -> Self {
+        Self {
+            before_settle: Some(hook),
+            ..self
+        }
+    }
+
+    fn settler(&self) -> Arc<Settler> {
+        Arc::new(Settler {
+            policy: self.retry,
+            counters: self.counters.clone(),
+            before: self.before_settle.clone(),
+        })
+    }
+
     /// What the runner counted so far; the same counters [`run`](Self::run) returns at the end.
     pub fn stats(&self) -> impl Fn() -> RunnerStats + Send + Sync + 'static {
         let counters = self.counters.clone();
@@ -166,7 +196,7 @@ impl Runner {
         E: fmt::Display + Send + 'static,
     {
         let workers = (0..self.workers).map(|_| new_worker()).collect();
-        let process = one_at_a_time(self.retry, self.counters.clone());
+        let process = one_at_a_time(self.settler());
         self.consume(workers, Take::ONE, process).await
     }
 
@@ -197,7 +227,7 @@ impl Runner {
             })
             .collect();
         let consumer: String = consumer.into();
-        let process = in_batches(consumer.into(), self.retry, self.counters.clone());
+        let process = in_batches(consumer.into(), self.settler());
         self.consume(workers, batches.take(), process).await
     }
 
