@@ -167,6 +167,14 @@ where
     rate(count, elapsed)
 }
 
+/// What the runner counted, for the record.
+fn counted(stats: &RunnerStats) -> String {
+    format!(
+        "{} processed, {} duplicates, {} retried, {} dead-lettered",
+        stats.processed, stats.duplicates, stats.retried, stats.dead_lettered
+    )
+}
+
 fn total(stats: &RunnerStats) -> usize {
     (stats.processed + stats.duplicates + stats.retried + stats.dead_lettered) as usize
 }
@@ -335,18 +343,20 @@ async fn rabbitmq(
         let runner = idempotent::broker::rabbitmq::Runner::new(consuming, &queue)
             .workers(workers)
             .shutdown_on(shutdown.clone());
-        let stats = runner.stats();
+        let stats = std::sync::Arc::new(runner.stats());
         let inbox = inbox.clone();
+        let counting = stats.clone();
         let per_second = match batches {
             None => {
                 let run = runner.run(move || worker(&inbox));
-                measure(batch.len(), run, move || total(&stats()), shutdown).await
+                measure(batch.len(), run, move || total(&counting()), shutdown).await
             }
             Some(batches) => {
                 let run = runner.run_batches(inbox, "bench", batches, || body);
-                measure(batch.len(), run, move || total(&stats()), shutdown).await
+                measure(batch.len(), run, move || total(&counting()), shutdown).await
             }
         };
+        eprintln!("  {label}: {}", counted(&stats()));
         rows.push((label, per_second));
     }
     rows
@@ -476,18 +486,20 @@ async fn nats(pool: &PgPool, inbox: &Inbox<Postgres>, count: usize) -> Vec<(&'st
         let runner = idempotent::broker::nats::Runner::new(jetstream, consumer, dead)
             .workers(workers)
             .shutdown_on(shutdown.clone());
-        let stats = runner.stats();
+        let stats = std::sync::Arc::new(runner.stats());
         let inbox = inbox.clone();
+        let counting = stats.clone();
         let per_second = match batches {
             None => {
                 let run = runner.run(move || worker(&inbox));
-                measure(batch.len(), run, move || total(&stats()), shutdown).await
+                measure(batch.len(), run, move || total(&counting()), shutdown).await
             }
             Some(batches) => {
                 let run = runner.run_batches(inbox, "bench", batches, || body);
-                measure(batch.len(), run, move || total(&stats()), shutdown).await
+                measure(batch.len(), run, move || total(&counting()), shutdown).await
             }
         };
+        eprintln!("  {label}: {}", counted(&stats()));
         rows.push((label, per_second));
     }
     rows
