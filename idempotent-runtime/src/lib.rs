@@ -7,12 +7,15 @@
 
 mod batch;
 pub mod calls;
+mod clock;
 mod error;
 mod inbox;
 pub mod key;
 mod markers;
-mod metrics;
+pub mod metrics;
+pub mod operations;
 mod retention;
+pub mod schema;
 mod session;
 mod store;
 mod table;
@@ -28,9 +31,12 @@ pub use inbox::{Claim, ClaimOptions, Claimed, Handled, Inbox, InboxFor, MAX_CONS
 pub use key::{
     AsMessageKey, IdempotencyKey, KeyBuilder, KeyError, MessageKey, StableKey, message_key,
 };
+pub use clock::SentAt;
 pub use markers::{CorrelationId, DeliveryTag};
 pub use metrics::MetricsSnapshot;
-pub use retention::{PurgeReport, Purger, PurgerOptions, Retention};
+pub use operations::{AuditEntry, ConsumerStats, Cursor, Listing, Page, Record, StuckCall};
+pub use retention::{Expired, PurgeReport, Purger, PurgerOptions, Retention};
+pub use schema::Migration;
 #[cfg(feature = "mysql")]
 #[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
 pub use store::mysql;
