@@ -44,8 +44,7 @@ impl<DB: Backend> ClaimedBatch<DB> {
 
     /// Rolls back the batch's work and claims.
     pub async fn rollback(self) {
-        self.metrics
-            .message(&self.consumer, Outcome::RolledBack, 1);
+        self.metrics.message(&self.consumer, Outcome::RolledBack, 1);
         let _ = self.tx.rollback().await;
     }
 }

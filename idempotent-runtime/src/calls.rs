@@ -20,11 +20,11 @@ use std::time::Duration;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
+use crate::clock::millis;
 use crate::error::{Error, InboxError, Stage};
 use crate::inbox::{Inbox, check_consumer, check_name, decode_response};
 use crate::key::{IdempotencyKey, MessageKey};
 use crate::metrics::CallOutcome;
-use crate::clock::millis;
 use crate::session::Session;
 use crate::store::{Backend, CallId, CallRow, database_error};
 

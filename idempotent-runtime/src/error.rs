@@ -159,7 +159,9 @@ pub enum InboxError {
     /// the body again. Its send time came from its UUIDv7 key or the field named in
     /// `#[idempotent(sent_at = "...")]`. Not retryable: dead-letter it for a person to decide
     /// (`inbox.forget` does not help here; replay it as a new message if it must run).
-    #[error("the message was sent before its consumer's purge horizon; it may have been processed already")]
+    #[error(
+        "the message was sent before its consumer's purge horizon; it may have been processed already"
+    )]
     OlderThanHorizon {
         /// The consumer.
         consumer: String,

@@ -296,7 +296,8 @@ impl<DB: Backend> Inbox<DB> {
         if let (Some(ours), Some(theirs)) = (options.fingerprint, stored_fingerprint.as_deref())
             && ours != theirs
         {
-            self.metrics.message(consumer, Outcome::FingerprintMismatch, 1);
+            self.metrics
+                .message(consumer, Outcome::FingerprintMismatch, 1);
             tracing::warn!(consumer, key = %key.digest(), "same message key, different payload");
             return Err(InboxError::FingerprintMismatch {
                 consumer: consumer.to_owned(),
@@ -599,8 +600,7 @@ impl<DB: Backend> Claimed<DB> {
 
     /// Rolls back the handler's work and the claim: a redelivery will run the handler again.
     pub async fn rollback(self) {
-        self.metrics
-            .message(&self.consumer, Outcome::RolledBack, 1);
+        self.metrics.message(&self.consumer, Outcome::RolledBack, 1);
         tracing::Span::current().record("outcome", "rolled back");
         tracing::debug!(consumer = %self.consumer, key = %self.key.digest(), "rolled back");
         let _ = self.tx.rollback().await;
@@ -636,8 +636,7 @@ impl<DB: Backend> Claimed<DB> {
             Err(error) => error,
         };
         let fault = as_error(&error).map_or(Fault::None, fault_of);
-        self.metrics
-            .message(&self.consumer, Outcome::RolledBack, 1);
+        self.metrics.message(&self.consumer, Outcome::RolledBack, 1);
         tracing::Span::current().record("outcome", "rolled back");
         tracing::debug!(consumer = %self.consumer, key = %self.key.digest(), ?fault, "handler failed; rolled back");
         let rolled_back = if fault == Fault::Broken {

@@ -26,12 +26,12 @@ pub mod __private;
 
 pub use batch::ClaimedBatch;
 pub use calls::{CallLease, CallStart};
+pub use clock::SentAt;
 pub use error::{Error, Fault, InboxError, Stage};
 pub use inbox::{Claim, ClaimOptions, Claimed, Handled, Inbox, InboxFor, MAX_CONSUMER_LEN};
 pub use key::{
     AsMessageKey, IdempotencyKey, KeyBuilder, KeyError, MessageKey, StableKey, message_key,
 };
-pub use clock::SentAt;
 pub use markers::{CorrelationId, DeliveryTag};
 pub use metrics::MetricsSnapshot;
 pub use operations::{AuditEntry, ConsumerStats, Cursor, Listing, Page, Record, StuckCall};

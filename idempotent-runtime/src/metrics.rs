@@ -32,7 +32,10 @@ pub const PURGED: &str = "idempotent_purged_rows_total";
 /// Describes the inbox's metrics to the installed recorder (descriptions and units). Call it once
 /// after installing the recorder; recording works without it.
 pub fn describe() {
-    ::metrics::describe_counter!(MESSAGES, "Messages handled by an idempotent inbox, by outcome");
+    ::metrics::describe_counter!(
+        MESSAGES,
+        "Messages handled by an idempotent inbox, by outcome"
+    );
     ::metrics::describe_histogram!(
         CLAIM_WAIT,
         ::metrics::Unit::Seconds,

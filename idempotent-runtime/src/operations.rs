@@ -321,7 +321,9 @@ impl<DB: Backend> Inbox<DB> {
                     name,
                     fence,
                     lease_expired_at: from_ms(lease_until),
-                    expired_for: Duration::from_millis(now.saturating_sub(lease_until).max(0) as u64),
+                    expired_for: Duration::from_millis(
+                        now.saturating_sub(lease_until).max(0) as u64
+                    ),
                 })
             })
             .collect::<Result<_, crate::key::KeyError>>()
@@ -343,11 +345,12 @@ impl<DB: Backend> Inbox<DB> {
         check_reason(reason)?;
         let key = key.as_message_key()?;
         let failed = || database_error(Stage::Forget);
-        let mut tx = InboxTransaction::begin(self.resources())
-            .await
-            .map_err(|error| match error {
-                BeginError::Acquire(error) | BeginError::Begin(error) => failed()(error),
-            })?;
+        let mut tx =
+            InboxTransaction::begin(self.resources())
+                .await
+                .map_err(|error| match error {
+                    BeginError::Acquire(error) | BeginError::Begin(error) => failed()(error),
+                })?;
         let statements = &self.config.statements;
         let row = DB::inspect(tx.connection(), statements, consumer, key.as_bytes())
             .await

@@ -82,8 +82,16 @@ impl<DB: Backend> InboxTransaction<DB> {
             .await
             .map_err(BeginError::Acquire)?;
         let started = Instant::now();
-        let claimed = Self::claim_on(session, with, statements, settings, consumer, key, fingerprint)
-            .await?;
+        let claimed = Self::claim_on(
+            session,
+            with,
+            statements,
+            settings,
+            consumer,
+            key,
+            fingerprint,
+        )
+        .await?;
         Ok((claimed, started.elapsed()))
     }
 

@@ -213,7 +213,10 @@ impl Store for MySql {
         number(error).is_some_and(|number| matches!(number, 1060 | 1061))
     }
 
-    async fn lock_migration(conn: &mut MySqlConnection, table: &TableName) -> Result<(), sqlx::Error> {
+    async fn lock_migration(
+        conn: &mut MySqlConnection,
+        table: &TableName,
+    ) -> Result<(), sqlx::Error> {
         let locked: Option<i64> = sqlx::query_scalar(AssertSqlSafe(format!(
             "SELECT GET_LOCK({MIGRATE_LOCK_NAME}, 60)"
         )))

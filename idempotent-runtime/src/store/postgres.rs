@@ -259,7 +259,10 @@ impl Store for Postgres {
         }
     }
 
-    async fn lock_migration(conn: &mut PgConnection, _table: &TableName) -> Result<(), sqlx::Error> {
+    async fn lock_migration(
+        conn: &mut PgConnection,
+        _table: &TableName,
+    ) -> Result<(), sqlx::Error> {
         PgTransactionManager::begin(conn, None).await?;
         sqlx::query("SELECT pg_advisory_xact_lock($1)")
             .bind(MIGRATE_LOCK)

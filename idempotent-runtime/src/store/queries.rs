@@ -11,8 +11,7 @@ use sqlx::{AssertSqlSafe, Database, Decode, Encode, Executor, Type};
 
 use super::private::Store;
 use super::statements::{
-    AuditRow, Bind, CallId, CallRow, InspectRow, ListRow, PurgeSql, Statements, StoredRow,
-    StuckRow,
+    AuditRow, Bind, CallId, CallRow, InspectRow, ListRow, PurgeSql, Statements, StoredRow, StuckRow,
 };
 
 /// What [`Queries::stats`] reads: rows per consumer, calls per consumer, horizons.
@@ -308,7 +307,10 @@ where
             .await
     }
 
-    async fn now_ms(conn: &mut DB::Connection, statements: &Statements) -> Result<i64, sqlx::Error> {
+    async fn now_ms(
+        conn: &mut DB::Connection,
+        statements: &Statements,
+    ) -> Result<i64, sqlx::Error> {
         sqlx::query_scalar(AssertSqlSafe(statements.now.clone()))
             .fetch_one(conn)
             .await

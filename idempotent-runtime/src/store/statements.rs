@@ -436,13 +436,7 @@ impl Statements {
         };
         PurgeStatements {
             horizon,
-            rows: delete(
-                t,
-                &rows_expired,
-                1,
-                "processed_at",
-                "consumer, message_key",
-            ),
+            rows: delete(t, &rows_expired, 1, "processed_at", "consumer, message_key"),
             calls: delete(
                 c,
                 calls_expired,
