@@ -58,6 +58,15 @@ pub(crate) fn uuid_v7_time(uuid: &uuid::Uuid) -> Option<SystemTime> {
     Some(UNIX_EPOCH + Duration::from_millis(u64::from_be_bytes(ms)))
 }
 
+/// The last millisecond every database's time type holds (9999-12-31 23:59:59.999 UTC; MySQL's
+/// `DATETIME` ends there): times handed to a statement are kept between the epoch and this.
+pub(crate) const LAST_MS: i64 = 253_402_300_799_999;
+
+/// `time` in milliseconds since the epoch, kept between the epoch and [`LAST_MS`].
+pub(crate) fn to_db_ms(time: SystemTime) -> i64 {
+    to_ms(time).clamp(0, LAST_MS)
+}
+
 /// `time` in milliseconds since the Unix epoch (negative before it), saturated.
 pub(crate) fn to_ms(time: SystemTime) -> i64 {
     match time.duration_since(UNIX_EPOCH) {

@@ -13,7 +13,7 @@ use std::fmt;
 use std::str::FromStr;
 use std::time::{Duration, SystemTime};
 
-use crate::clock::{from_ms, to_ms};
+use crate::clock::{LAST_MS, from_ms, to_db_ms};
 use crate::error::{InboxError, Stage};
 use crate::inbox::{Inbox, check_consumer, commit};
 use crate::key::{AsMessageKey, MessageKey};
@@ -253,8 +253,8 @@ impl<DB: Backend> Inbox<DB> {
     pub async fn list(&self, consumer: &str, listing: Listing) -> Result<Page, InboxError> {
         check_consumer(consumer)?;
         let range = (
-            listing.since.map_or(i64::MIN / 4, to_ms),
-            listing.until.map_or(i64::MAX / 4, to_ms),
+            listing.since.map_or(0, to_db_ms),
+            listing.until.map_or(LAST_MS, to_db_ms),
         );
         let (at, key) = match &listing.after {
             Some(cursor) => (cursor.processed_ms, cursor.key.as_bytes()),

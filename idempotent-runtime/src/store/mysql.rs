@@ -87,7 +87,7 @@ impl Store for MySql {
         now_ms: "CAST(UNIX_TIMESTAMP(NOW(6)) * 1000 AS SIGNED)",
         time_of_ms: "(TIMESTAMP'1970-01-01 00:00:00' + INTERVAL ({} * 1000) MICROSECOND)",
         processed_ms: "CAST(TIMESTAMPDIFF(MICROSECOND, TIMESTAMP'1970-01-01 00:00:00', processed_at) DIV 1000 AS SIGNED)",
-        consumer_text: "CAST(consumer AS CHAR)",
+        text_of: "CAST({} AS CHAR)",
         int: "SIGNED",
         upsert_horizon: " ON DUPLICATE KEY UPDATE purged_until = GREATEST(purged_until, VALUES(purged_until))",
         delete_limit: true,

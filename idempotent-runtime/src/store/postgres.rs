@@ -101,7 +101,7 @@ impl Store for Postgres {
         now_ms: "(extract(epoch FROM clock_timestamp()) * 1000)::bigint",
         time_of_ms: "(to_timestamp(0) + {} * interval '1 millisecond')",
         processed_ms: "CAST(floor(extract(epoch FROM processed_at) * 1000) AS BIGINT)",
-        consumer_text: "consumer",
+        text_of: "{}",
         int: "BIGINT",
         upsert_horizon: " ON CONFLICT (consumer) DO UPDATE \
             SET purged_until = GREATEST({h}.purged_until, EXCLUDED.purged_until)",

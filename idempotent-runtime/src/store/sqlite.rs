@@ -108,7 +108,7 @@ impl Store for Sqlite {
         now_ms: "CAST(unixepoch('subsec') * 1000 AS INTEGER)",
         time_of_ms: "{}",
         processed_ms: "processed_at",
-        consumer_text: "consumer",
+        text_of: "{}",
         int: "INTEGER",
         upsert_horizon: " ON CONFLICT (consumer) DO UPDATE \
             SET purged_until = MAX(purged_until, excluded.purged_until)",

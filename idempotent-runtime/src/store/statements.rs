@@ -52,8 +52,8 @@ pub struct Dialect {
     pub(crate) time_of_ms: &'static str,
     /// `processed_at` in milliseconds since the Unix epoch.
     pub(crate) processed_ms: &'static str,
-    /// The `consumer` column as text (MySQL stores it binary).
-    pub(crate) consumer_text: &'static str,
+    /// A name column read as text (MySQL stores names binary); `{}` is the column.
+    pub(crate) text_of: &'static str,
     /// The type of a 64-bit integer in a `CAST`.
     pub(crate) int: &'static str,
     /// What ends `INSERT INTO <horizons> … SELECT …` so that a consumer's horizon only moves
@@ -187,11 +187,12 @@ impl Statements {
             processed_now,
             now_ms,
             processed_ms,
-            consumer_text,
+            text_of,
             int,
             time_of_ms,
             ..
         } = dialect;
+        let consumer_text = text_of.replace("{}", "consumer");
         let p = || Params::new(&dialect);
         let key =
             |p: &mut Params| format!("consumer = {} AND message_key = {}", p.next(), p.next());
@@ -278,10 +279,11 @@ impl Statements {
             let mut p = p();
             let (any, consumer, limit) = (p.next(), p.next(), p.next());
             format!(
-                "SELECT {consumer_text}, message_key, call_name, fence, lease_until, {now_ms} FROM {c} \
+                "SELECT {consumer_text}, message_key, {}, fence, lease_until, {now_ms} FROM {c} \
                  WHERE completed = FALSE AND lease_until < {now_ms} \
                  AND ({any} = 1 OR consumer = {consumer}) \
-                 ORDER BY lease_until, consumer, message_key, call_name LIMIT {limit}"
+                 ORDER BY lease_until, consumer, message_key, call_name LIMIT {limit}",
+                text_of.replace("{}", "call_name")
             )
         };
         let forget = format!("DELETE FROM {t} WHERE {}", key(&mut p()));
@@ -364,12 +366,13 @@ impl Statements {
     pub(crate) fn purge(&self, scope: PurgeScope) -> PurgeStatements {
         let Dialect {
             time_of_ms,
-            consumer_text,
+            text_of,
             upsert_horizon,
             delete_limit,
             ..
         } = self.dialect;
         let (t, c, h, a) = (&self.table, &self.calls, &self.horizons, &self.audit);
+        let consumer_text = text_of.replace("{}", "consumer");
         // `WHERE` of the expired rows of a table, given the condition on the cutoff, and its binds.
         let expired = |condition: &str, cutoffs: usize, p: &mut Params| {
             let mut binds = vec![Bind::Cutoff; cutoffs];
