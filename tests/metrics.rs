@@ -37,17 +37,36 @@ fn counter(entries: &[Entry], name: &str, labels: &[(&str, &str)]) -> u64 {
 async fn counters_and_the_claim_wait_histogram_reach_the_installed_recorder() {
     let recorder = DebuggingRecorder::new();
     let snapshotter = recorder.snapshotter();
-    recorder.install().expect("the only recorder of this test binary");
+    recorder
+        .install()
+        .expect("the only recorder of this test binary");
     idempotent::metrics::describe();
 
     let h = SqliteHarness::new().await;
     let paid = Delivery::new("paid");
-    assert!(h.deliver(Consumer::Orders, &paid).await.unwrap().is_processed());
-    assert!(h.deliver(Consumer::Orders, &paid).await.unwrap().is_duplicate());
+    assert!(
+        h.deliver(Consumer::Orders, &paid)
+            .await
+            .unwrap()
+            .is_processed()
+    );
+    assert!(
+        h.deliver(Consumer::Orders, &paid)
+            .await
+            .unwrap()
+            .is_duplicate()
+    );
     let failing = Delivery::new("fails").behaving(Behaviour::Fail);
     h.deliver(Consumer::Orders, &failing).await.unwrap_err();
-    assert!(h.deliver_payment(&Delivery::new("p1").with_id("pay")).await.unwrap().is_processed());
-    h.deliver_payment(&Delivery::new("p2").with_id("pay")).await.unwrap_err();
+    assert!(
+        h.deliver_payment(&Delivery::new("p1").with_id("pay"))
+            .await
+            .unwrap()
+            .is_processed()
+    );
+    h.deliver_payment(&Delivery::new("p2").with_id("pay"))
+        .await
+        .unwrap_err();
 
     // A claim that waits for an in-flight twin's commit.
     let held = h.inbox().claim("orders", "twin").await.unwrap().unwrap();
@@ -60,15 +79,26 @@ async fn counters_and_the_claim_wait_histogram_reach_the_installed_recorder() {
 
     // A message older than the purge horizon; a forgotten one; a call in progress; a purge.
     let old = Delivery::new("old").sent(SystemTime::now() - Duration::from_secs(20 * 86_400));
-    assert!(h.deliver(Consumer::Events, &old).await.unwrap().is_processed());
+    assert!(
+        h.deliver(Consumer::Events, &old)
+            .await
+            .unwrap()
+            .is_processed()
+    );
     h.backdate("events", Duration::from_secs(15 * 86_400)).await;
     assert_eq!(h.inbox().purge_expired(10).await.unwrap().deleted, 1);
     h.deliver(Consumer::Events, &old).await.unwrap_err();
     assert!(h.inbox().forget("orders", "paid", "a test").await.unwrap());
     let key = message_key("call").unwrap();
     let lease = Duration::from_secs(30);
-    h.inbox().begin_call::<u32>("orders", &key, "charge", lease).await.unwrap();
-    h.inbox().begin_call::<u32>("orders", &key, "charge", lease).await.unwrap_err();
+    h.inbox()
+        .begin_call::<u32>("orders", &key, "charge", lease)
+        .await
+        .unwrap();
+    h.inbox()
+        .begin_call::<u32>("orders", &key, "charge", lease)
+        .await
+        .unwrap_err();
 
     let snapshot = snapshotter.snapshot().into_vec();
     let described = snapshot
@@ -94,7 +124,11 @@ async fn counters_and_the_claim_wait_histogram_reach_the_installed_recorder() {
             &[("consumer", consumer), ("outcome", outcome)],
         )
     };
-    assert_eq!(messages("orders", "processed"), 2, "`paid` and the held `twin`");
+    assert_eq!(
+        messages("orders", "processed"),
+        2,
+        "`paid` and the held `twin`"
+    );
     assert_eq!(messages("orders", "duplicate"), 2);
     assert_eq!(messages("orders", "rolled_back"), 1);
     assert_eq!(messages("payments", "processed"), 1);
@@ -102,7 +136,11 @@ async fn counters_and_the_claim_wait_histogram_reach_the_installed_recorder() {
     assert_eq!(messages("events", "processed"), 1);
     assert_eq!(messages("events", "older_than_horizon"), 1);
     assert_eq!(
-        counter(&entries, "idempotent_forgotten_total", &[("consumer", "orders")]),
+        counter(
+            &entries,
+            "idempotent_forgotten_total",
+            &[("consumer", "orders")]
+        ),
         1
     );
     assert_eq!(
@@ -131,7 +169,9 @@ async fn counters_and_the_claim_wait_histogram_reach_the_installed_recorder() {
                 && labels.contains(&("outcome".to_owned(), "duplicate".to_owned()))
         })
         .flat_map(|(_, _, _, value)| match value {
-            DebugValue::Histogram(values) => values.iter().map(|v| v.into_inner()).collect::<Vec<f64>>(),
+            DebugValue::Histogram(values) => {
+                values.iter().map(|v| v.into_inner()).collect::<Vec<f64>>()
+            }
             other => panic!("{other:?}"),
         })
         .collect();
