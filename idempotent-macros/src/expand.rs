@@ -169,7 +169,8 @@ fn rewrite(plan: &Plan, mut function: ItemFn) -> TokenStream {
         None => quote!(::core::option::Option::None),
         Some(path) => {
             let field = field(path);
-            quote_spanned! {path.lit.span()=> #private::sent_at(#field) }
+            let check = respan(quote!(#private::sent_at), path.lit.span());
+            quote_spanned! {path.lit.span()=> #check(#field) }
         }
     };
     // With `store_response`, the storing calls are spanned on the `Ok` type and name it as their
