@@ -502,12 +502,13 @@ macro_rules! harness_methods {
 }
 pub(crate) use harness_methods;
 
-/// The rows [`Harness::create_legacy_tables`] fills version 1 tables with:
-/// `(key, response, fingerprint)` of the inbox, `(key, call, completed, result)` of the calls.
-pub fn legacy_rows() -> (
-    Vec<(Vec<u8>, Option<Vec<u8>>, Option<Vec<u8>>)>,
-    Vec<(Vec<u8>, &'static str, bool, Option<Vec<u8>>)>,
-) {
+/// An inbox row of the first release's tables: `(key, response, fingerprint)`.
+pub type LegacyRow = (Vec<u8>, Option<Vec<u8>>, Option<Vec<u8>>);
+/// A call record of the first release's tables: `(key, call, completed, result)`.
+pub type LegacyCall = (Vec<u8>, &'static str, bool, Option<Vec<u8>>);
+
+/// The rows [`Harness::create_legacy_tables`] fills version 1 tables with.
+pub fn legacy_rows() -> (Vec<LegacyRow>, Vec<LegacyCall>) {
     let key = |k: &str| idempotent::message_key(k).unwrap().as_bytes().to_vec();
     (
         vec![
