@@ -273,11 +273,19 @@ async fn purge_locked<DB: Backend>(
         let cutoff = cutoff(now, pass.retention_ms);
         let consumers = &pass.consumers;
         let sql = &pass.statements;
-        // The horizon first: a row is never gone without a horizon that covers it.
-        DB::purge_step(session.start_step(), &sql.horizon, cutoff, consumers, batch)
+        // The horizon first: a row is never gone without a horizon that covers it. Which
+        // consumers have expired rows is a read (no lock a claim would wait for); each horizon
+        // is then one short write.
+        let expiring = DB::purge_consumers(session.start_step(), &sql.expiring, cutoff, consumers)
             .await
             .map_err(failed())?;
         session.end_step();
+        for consumer in &expiring {
+            DB::record_horizon(session.start_step(), scope.statements, consumer, cutoff)
+                .await
+                .map_err(failed())?;
+            session.end_step();
+        }
         for (statement, kind) in [
             (&sql.rows, Purged::Inbox),
             (&sql.calls, Purged::Calls),

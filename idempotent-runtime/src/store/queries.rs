@@ -96,6 +96,22 @@ pub trait Queries: Store {
         batch: i64,
     ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send + 'a;
 
+    /// The consumers a purge pass finds expired rows of (see [`Statements::purge`]).
+    fn purge_consumers<'a>(
+        conn: &'a mut Self::Connection,
+        sql: &'a PurgeSql,
+        cutoff: i64,
+        consumers: &'a [String],
+    ) -> impl Future<Output = Result<Vec<String>, sqlx::Error>> + Send + 'a;
+
+    /// Moves `consumer`'s horizon forward to `until`.
+    fn record_horizon<'a>(
+        conn: &'a mut Self::Connection,
+        statements: &'a Statements,
+        consumer: &'a str,
+        until: i64,
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a;
+
     /// Runs a count of the purge's dry run: `(consumer, rows)`.
     fn purge_count<'a>(
         conn: &'a mut Self::Connection,
@@ -337,6 +353,31 @@ where
         let query = sqlx::query_as(AssertSqlSafe(sql.sql.clone()));
         let query = bind_purge!(query, sql, cutoff, consumers, 0i64);
         query.fetch_all(conn).await
+    }
+
+    async fn purge_consumers(
+        conn: &mut DB::Connection,
+        sql: &PurgeSql,
+        cutoff: i64,
+        consumers: &[String],
+    ) -> Result<Vec<String>, sqlx::Error> {
+        let query = sqlx::query_scalar(AssertSqlSafe(sql.sql.clone()));
+        let query = bind_purge!(query, sql, cutoff, consumers, 0i64);
+        query.fetch_all(conn).await
+    }
+
+    async fn record_horizon(
+        conn: &mut DB::Connection,
+        statements: &Statements,
+        consumer: &str,
+        until: i64,
+    ) -> Result<(), sqlx::Error> {
+        sqlx::query(AssertSqlSafe(statements.record_horizon.clone()))
+            .bind(consumer)
+            .bind(until)
+            .execute(conn)
+            .await?;
+        Ok(())
     }
 
     async fn horizon(

@@ -56,7 +56,7 @@ pub struct Dialect {
     pub(crate) text_of: &'static str,
     /// The type of a 64-bit integer in a `CAST`.
     pub(crate) int: &'static str,
-    /// What ends `INSERT INTO <horizons> … SELECT …` so that a consumer's horizon only moves
+    /// What ends `INSERT INTO <horizons> … VALUES …` so that a consumer's horizon only moves
     /// forward; `{h}` is the quoted table.
     pub(crate) upsert_horizon: &'static str,
     /// `DELETE … ORDER BY … LIMIT` is allowed (MySQL), rather than a subquery on the key.
@@ -69,7 +69,6 @@ pub struct Statements {
     dialect: Dialect,
     table: String,
     calls: String,
-    horizons: String,
     audit: String,
     schema: String,
     pub(crate) claim: Arc<str>,
@@ -83,6 +82,8 @@ pub struct Statements {
     pub(crate) now: Arc<str>,
     /// A consumer's purge horizon (milliseconds of the database's clock), if it has one.
     pub(crate) horizon: Arc<str>,
+    /// Moves a consumer's horizon forward to a bound time, never back.
+    pub(crate) record_horizon: Arc<str>,
     /// One inbox row: [`InspectRow`].
     pub(crate) inspect: Arc<str>,
     /// A page of a consumer's rows in a time range, after a cursor: [`ListRow`]s.
@@ -160,8 +161,9 @@ pub(crate) enum PurgeScope {
 /// batches of each table, and the counts of a dry run.
 #[derive(Debug, Clone)]
 pub(crate) struct PurgeStatements {
-    /// Moves the horizon of every consumer with expired rows up to the cutoff.
-    pub(crate) horizon: PurgeSql,
+    /// The consumers with expired rows, whose horizons the pass moves up to the cutoff: a read,
+    /// which takes no lock a claim would wait for.
+    pub(crate) expiring: PurgeSql,
     /// Deletes a batch of expired inbox rows, oldest first.
     pub(crate) rows: PurgeSql,
     /// Deletes a batch of expired call records: completed, or pending with a lease that ran out,
@@ -257,6 +259,14 @@ impl Statements {
             "SELECT purged_until FROM {h} WHERE consumer = {}",
             p().next()
         );
+        let record_horizon = {
+            let mut p = p();
+            let (consumer, until) = (p.next(), p.next());
+            format!(
+                "INSERT INTO {h} (consumer, purged_until) VALUES ({consumer}, {until}){}",
+                dialect.upsert_horizon.replace("{h}", &h)
+            )
+        };
         let inspect = format!(
             "SELECT {processed_ms}, response, fingerprint FROM {t} WHERE {}",
             key(&mut p())
@@ -317,7 +327,6 @@ impl Statements {
             dialect,
             table: t,
             calls: c,
-            horizons: h,
             audit: a,
             schema: v,
             claim: claim.into(),
@@ -329,6 +338,7 @@ impl Statements {
             call_complete: call_complete.into(),
             now: format!("SELECT {now_ms}").into(),
             horizon: horizon.into(),
+            record_horizon: record_horizon.into(),
             inspect: inspect.into(),
             list: list.into(),
             stuck_calls: stuck_calls.into(),
@@ -367,11 +377,10 @@ impl Statements {
         let Dialect {
             time_of_ms,
             text_of,
-            upsert_horizon,
             delete_limit,
             ..
         } = self.dialect;
-        let (t, c, h, a) = (&self.table, &self.calls, &self.horizons, &self.audit);
+        let (t, c, a) = (&self.table, &self.calls, &self.audit);
         let consumer_text = text_of.replace("{}", "consumer");
         // `WHERE` of the expired rows of a table, given the condition on the cutoff, and its binds.
         let expired = |condition: &str, cutoffs: usize, p: &mut Params| {
@@ -423,22 +432,16 @@ impl Statements {
                 binds,
             }
         };
-        let horizon = {
+        let expiring = {
             let mut p = Params::new(&self.dialect);
-            let value = p.next();
-            let (which, mut binds) = expired(&rows_expired, 1, &mut p);
-            binds.insert(0, Bind::Cutoff);
+            let (which, binds) = expired(&rows_expired, 1, &mut p);
             PurgeSql {
-                sql: format!(
-                    "INSERT INTO {h} (consumer, purged_until) \
-                     SELECT DISTINCT consumer, {value} FROM {t} WHERE {which}{}",
-                    upsert_horizon.replace("{h}", h)
-                ),
+                sql: format!("SELECT DISTINCT {consumer_text} FROM {t} WHERE {which}"),
                 binds,
             }
         };
         PurgeStatements {
-            horizon,
+            expiring,
             rows: delete(t, &rows_expired, 1, "processed_at", "consumer, message_key"),
             calls: delete(
                 c,
