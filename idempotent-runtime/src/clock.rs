@@ -47,9 +47,11 @@ impl<T: SentAt + ?Sized> SentAt for &T {
     }
 }
 
-/// The time in a version 7 UUID: its first 48 bits, milliseconds since the Unix epoch.
+/// The time in a version 7 UUID (of RFC 9562's variant): its first 48 bits, milliseconds since
+/// the Unix epoch. Random bytes made into a `Uuid` without setting its version (`from_u128` of a
+/// random number) look like one now and then: make random UUIDs with `Uuid::new_v4`.
 pub(crate) fn uuid_v7_time(uuid: &uuid::Uuid) -> Option<SystemTime> {
-    if uuid.get_version_num() != 7 {
+    if uuid.get_version_num() != 7 || uuid.get_variant() != uuid::Variant::RFC4122 {
         return None;
     }
     let bytes = uuid.as_bytes();
@@ -100,6 +102,11 @@ mod tests {
         let v7 = uuid::Uuid::new_v7(ts);
         assert_eq!(v7.sent_at(), Some(at));
         assert_eq!(uuid::Uuid::new_v4().sent_at(), None);
+        // Version 7's nibble, but not RFC 9562's variant: random bytes, no time.
+        let bytes = *v7.as_bytes();
+        let mut other_variant = bytes;
+        other_variant[8] &= 0x3F;
+        assert_eq!(uuid::Uuid::from_bytes(other_variant).sent_at(), None);
         assert_eq!(Some(v7).sent_at(), Some(at));
         assert_eq!(None::<SystemTime>.sent_at(), None);
     }
