@@ -262,7 +262,8 @@ fn deliveries(count: usize, share: u32, seed: u64) -> Vec<Transfer> {
             out.push(earlier);
         } else {
             out.push(Transfer {
-                message_id: uuid::Uuid::from_u128(rng.random()),
+                // A version 4 UUID: random bytes with the version set, never mistaken for a UUIDv7.
+                message_id: uuid::Builder::from_random_bytes(rng.random()).into_uuid(),
                 account: rng.random_range(1..=ACCOUNTS),
             });
         }

@@ -101,6 +101,13 @@
 //! - `store_response` and `fingerprint` attribute arguments; [`Inbox::metrics`] and a `tracing`
 //!   span per message.
 //! - Batches: [`Inbox::handle_batch`] claims many keys in one statement and one transaction.
+//! - The purge horizon: a message that says when it was sent (a UUIDv7 key, or
+//!   `sent_at = "field"`) and is older than what its consumer's purges may have deleted is refused
+//!   with [`InboxError::OlderThanHorizon`] rather than processed again (see [`Retention`]).
+//! - Operations: [`Inbox::inspect`], [`Inbox::list`], [`Inbox::stuck_calls`], [`Inbox::stats`],
+//!   [`Inbox::forget`] with an audit row (see [`operations`]); the tables' [`schema`] versions,
+//!   which [`Inbox::migrate`] upgrades; [`metrics`] through the `metrics` facade; and the
+//!   `idempotent` command-line tool (the `idempotent-cli` crate).
 //!
 //! # Speed
 //! - A worker that handles messages one after another should call its handlers with
@@ -126,6 +133,7 @@
 /// #[idempotent(key = "meta.message_id", consumer = "orders", crate = "my_idempotent")]
 /// #[idempotent(key = "delivery_tag", consumer = "ledger",
 ///              allow_unstable_key = "the ledger assigns delivery_tag once per transfer")]
+/// #[idempotent(key = "message_id", consumer = "orders", sent_at = "meta.sent_at")]
 /// ```
 ///
 /// | argument | meaning |
@@ -135,6 +143,7 @@
 /// | `fingerprint`, `fingerprint = ("a", "b")` | store a SHA-256 of the message's (or these fields') JSON; a duplicate with another fingerprint is [`InboxError::FingerprintMismatch`] |
 /// | `store_response` | store the body's `Ok` value; a duplicate returns it in [`Handled::Duplicate`] |
 /// | `allow_unstable_key` | a written reason to accept a key whose name looks unstable |
+/// | `sent_at = "meta.sent_at"` | the field that says when the message was sent (a [`SentAt`]: `SystemTime`, a UUIDv7, an `Option` of these): a new message sent before its consumer's purge horizon is [`InboxError::OlderThanHorizon`]; a key that is a UUIDv7 says it without this |
 /// | `crate` | the path of this crate when the dependency is renamed |
 ///
 /// The function must be an `async fn` (or method taking `&self`) whose first parameter after `self`
@@ -152,6 +161,11 @@ pub use idempotent_runtime::{
     InboxError, InboxFor, KeyBuilder, KeyError, MAX_CONSUMER_LEN, MessageKey, MetricsSnapshot,
     PurgeReport, Purger, PurgerOptions, Retention, StableKey, Stage, TableName, calls,
     is_retryable, key, message_key,
+};
+// Operating an inbox: the purge horizon, inspect and forget, schema versions, metrics.
+pub use idempotent_runtime::{
+    AuditEntry, ConsumerStats, Cursor, Expired, Listing, Migration, Page, Record, SentAt,
+    StuckCall, metrics, operations, schema,
 };
 
 #[cfg(any(feature = "rabbitmq", feature = "nats"))]

@@ -113,6 +113,7 @@ fn rewrite(plan: &Plan, mut function: ItemFn) -> TokenStream {
         message,
         store_response,
         fingerprint,
+        sent_at,
     } = plan;
     let Outline {
         krate,
@@ -129,7 +130,7 @@ fn rewrite(plan: &Plan, mut function: ItemFn) -> TokenStream {
     let result = format_ident!("__result", span = site);
     let builder = format_ident!("__key", span = site);
     let fake_return = format_ident!("__fake_return", span = site);
-    let fingerprint_var = format_ident!("__fingerprint", span = site);
+    let checks_var = format_ident!("__checks", span = site);
 
     let connection_pat = &connection.pat;
     let connection_ref = &connection.reference;
@@ -163,6 +164,15 @@ fn rewrite(plan: &Plan, mut function: ItemFn) -> TokenStream {
             quote!(::core::option::Option::Some(#private::fingerprint(&(#(#fields,)*))))
         }
     };
+    // The send time's field, checked to be a `SentAt` on the name the user wrote.
+    let sent_at = match sent_at {
+        None => quote!(::core::option::Option::None),
+        Some(path) => {
+            let field = field(path);
+            let check = respan(quote!(#private::sent_at), path.lit.span());
+            quote_spanned! {path.lit.span()=> #check(#field) }
+        }
+    };
     // With `store_response`, the storing calls are spanned on the `Ok` type and name it as their
     // `T` (the second type parameter), so that rustc reports their bounds, which go through the
     // same trait as the `storable` check, where that check is: a type that cannot be stored is
@@ -186,7 +196,7 @@ fn rewrite(plan: &Plan, mut function: ItemFn) -> TokenStream {
     };
     let handler_name = function.sig.ident.to_string();
     let start_call = quote_spanned! {storing_span=>
-        #start(#inbox, #consumer, #builder, #fingerprint_var).await
+        #start(#inbox, #consumer, #builder, #checks_var).await
     };
     let finish_call = quote_spanned! {storing_span=>
         #finish(#claimed, #result, |__e: &#err| {
@@ -217,7 +227,10 @@ fn rewrite(plan: &Plan, mut function: ItemFn) -> TokenStream {
             #(#pushes)*
             #builder.finish()
         };
-        let #fingerprint_var = #fingerprint;
+        let #checks_var = #private::Checks {
+            fingerprint: #fingerprint,
+            sent_at: #sent_at,
+        };
         #private::Instrument::instrument(async move {
         let mut #claimed = match #start_call {
             #private::Start::Claimed(claimed) => claimed,

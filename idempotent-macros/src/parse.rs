@@ -9,7 +9,7 @@ use syn::{Expr, ExprLit, FnArg, Lit, LitStr, Member, Meta, Pat, Token, Type};
 
 use crate::ctxt::Ctxt;
 use crate::symbol::{
-    self, ALLOW_UNSTABLE_KEY, CONSUMER, CRATE, FINGERPRINT, KEY, STORE_RESPONSE, Symbol,
+    self, ALLOW_UNSTABLE_KEY, CONSUMER, CRATE, FINGERPRINT, KEY, SENT_AT, STORE_RESPONSE, Symbol,
 };
 
 /// The attribute's arguments, each as written (or `None` when absent).
@@ -21,6 +21,8 @@ pub(crate) struct Args {
     pub(crate) krate: Slot<syn::Path>,
     pub(crate) store_response: Slot<Span>,
     pub(crate) fingerprint: Slot<Fingerprint>,
+    /// The field that says when the message was sent, as written (one path, checked later).
+    pub(crate) sent_at: Slot<Key>,
 }
 
 /// What `fingerprint` covers.
@@ -119,6 +121,10 @@ pub(crate) fn args(cx: &mut Ctxt, tokens: TokenStream) -> Args {
         } else if name == FINGERPRINT {
             if let Some(fields) = key(cx, &nv.value, FINGERPRINT) {
                 args.fingerprint.set(cx, name, Fingerprint::Fields(fields));
+            }
+        } else if name == SENT_AT {
+            if let Some(field) = key(cx, &nv.value, SENT_AT) {
+                args.sent_at.set(cx, name, field);
             }
         } else if name == STORE_RESPONSE {
             cx.error_spanned(

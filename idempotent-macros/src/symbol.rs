@@ -24,6 +24,7 @@ symbols! {
     CONSUMER = "consumer",
     FINGERPRINT = "fingerprint",
     STORE_RESPONSE = "store_response",
+    SENT_AT = "sent_at",
     ALLOW_UNSTABLE_KEY = "allow_unstable_key",
     CRATE = "crate",
 }
@@ -87,7 +88,7 @@ mod tests {
     fn the_help_lists_every_argument() {
         assert_eq!(
             argument_list(),
-            "`key`, `consumer`, `fingerprint`, `store_response`, `allow_unstable_key` and `crate`"
+            "`key`, `consumer`, `fingerprint`, `store_response`, `sent_at`, `allow_unstable_key` and `crate`"
         );
     }
 

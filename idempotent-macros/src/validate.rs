@@ -19,6 +19,8 @@ pub(crate) struct Plan {
     pub(crate) store_response: bool,
     /// The fields to fingerprint (empty: the whole message), if any.
     pub(crate) fingerprint: Option<Vec<KeyPath>>,
+    /// The field that says when the message was sent, if any.
+    pub(crate) sent_at: Option<KeyPath>,
 }
 
 /// The rewritten signature: what callers of the handler see. It needs only the connection
@@ -64,6 +66,7 @@ pub(crate) fn plan(
         .unwrap_or_else(|| syn::parse_quote!(::idempotent));
     let consumer = consumer(&mut cx, args.consumer.value);
     let key = key(&mut cx, args.key.value, args.allow_unstable_key.value);
+    let sent_at = args.sent_at.value.and_then(|field| sent_at(&mut cx, field));
     let fingerprint = match args.fingerprint.value {
         None => None,
         Some(Fingerprint::Whole) => Some(Vec::new()),
@@ -127,7 +130,22 @@ pub(crate) fn plan(
         message,
         store_response: args.store_response.value.is_some(),
         fingerprint,
+        sent_at,
     })
+}
+
+/// The `sent_at` field: exactly one.
+fn sent_at(cx: &mut Ctxt, field: crate::parse::Key) -> Option<KeyPath> {
+    let mut paths = field.paths.into_iter();
+    let first = paths.next()?;
+    if let Some(second) = paths.next() {
+        cx.error_spanned(
+            &second.lit,
+            "#[idempotent(sent_at = ...)] names one field\nhelp: name the field that says when the message was sent, such as `sent_at = \"meta.sent_at\"`",
+        );
+        return None;
+    }
+    Some(first)
 }
 
 fn not_result() -> &'static str {

@@ -8,13 +8,14 @@ use std::sync::Arc;
 use crate::error::{Error, InboxError, Stage};
 use crate::inbox::{Handled, Inbox, check_consumer, commit};
 use crate::key::{MessageKey, StableKey, message_key};
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, Outcome};
 use crate::store::{Backend, database_error, fault_of};
 use crate::transaction::{BeginError, InboxTransaction};
 
 /// A transaction holding the claims of a batch of keys; see [`Inbox::claim_batch`].
 pub struct ClaimedBatch<DB: Backend> {
     tx: InboxTransaction<DB>,
+    consumer: Box<str>,
     new: Vec<bool>,
     metrics: Arc<Metrics>,
 }
@@ -36,7 +37,8 @@ impl<DB: Backend> ClaimedBatch<DB> {
     pub async fn commit(self) -> Result<(), InboxError> {
         let claimed = self.new.iter().filter(|new| **new).count() as u64;
         commit(self.tx, None).await?;
-        self.metrics.processed(claimed);
+        self.metrics
+            .message(&self.consumer, Outcome::Processed, claimed);
         Ok(())
     }
 
@@ -54,13 +56,13 @@ impl<DB: Backend> ClaimedBatch<DB> {
             .await
             .map_err(database_error(Stage::Claim))?;
         self.new[index] = false;
-        self.metrics.rolled_back(1);
+        self.metrics.message(&self.consumer, Outcome::RolledBack, 1);
         Ok(())
     }
 
     /// Rolls back the batch's work and claims.
     pub async fn rollback(self) {
-        self.metrics.rolled_back(1);
+        self.metrics.message(&self.consumer, Outcome::RolledBack, 1);
         let _ = self.tx.rollback().await;
     }
 }
@@ -107,7 +109,8 @@ impl<DB: Backend> Inbox<DB> {
             .map(|key| inserted.contains(key.as_bytes()) && seen.insert(key.as_bytes()))
             .collect();
         let duplicates = new.iter().filter(|new| !**new).count();
-        self.metrics.duplicate(duplicates as u64);
+        self.metrics
+            .message(consumer, Outcome::Duplicate, duplicates as u64);
         tracing::debug!(
             consumer,
             keys = keys.len(),
@@ -116,6 +119,7 @@ impl<DB: Backend> Inbox<DB> {
         );
         Ok(ClaimedBatch {
             tx,
+            consumer: consumer.into(),
             new,
             metrics: self.metrics.clone(),
         })

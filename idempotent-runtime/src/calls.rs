@@ -20,10 +20,11 @@ use std::time::Duration;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
+use crate::clock::millis;
 use crate::error::{Error, InboxError, Stage};
 use crate::inbox::{Inbox, check_consumer, check_name, decode_response};
 use crate::key::{IdempotencyKey, MessageKey};
-use crate::retention::millis;
+use crate::metrics::CallOutcome;
 use crate::session::Session;
 use crate::store::{Backend, CallId, CallRow, database_error};
 
@@ -149,7 +150,7 @@ impl<DB: Backend> Inbox<DB> {
             return Ok(CallStart::Completed(decode_response(&result)?));
         }
         if lease_until > now {
-            self.metrics.call_in_progress(1);
+            self.metrics.call(consumer, CallOutcome::InProgress);
             let retry_after = Duration::from_millis((lease_until - now) as u64);
             tracing::debug!(
                 consumer,
@@ -173,7 +174,7 @@ impl<DB: Backend> Inbox<DB> {
             return Ok(run(fence + 1));
         }
         // Another attempt took it over first.
-        self.metrics.call_in_progress(1);
+        self.metrics.call(consumer, CallOutcome::InProgress);
         Err(InboxError::CallInProgress { retry_after: lease })
     }
 
@@ -218,7 +219,7 @@ impl<DB: Backend> Inbox<DB> {
             }
             return Err(InboxError::CallCompleted { fence });
         }
-        self.metrics.call_fenced(1);
+        self.metrics.call(&lease.consumer, CallOutcome::Fenced);
         tracing::warn!(
             consumer = lease.consumer,
             call = lease.name,

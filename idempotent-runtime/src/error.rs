@@ -25,6 +25,8 @@ pub enum Stage {
     Purge,
     /// Recording a call to an outside service.
     Call,
+    /// Forgetting a message on purpose, with its audit row.
+    Forget,
 }
 
 impl fmt::Display for Stage {
@@ -38,6 +40,7 @@ impl fmt::Display for Stage {
             Stage::Inspect => "reading the inbox",
             Stage::Purge => "purging expired rows",
             Stage::Call => "recording a call to an outside service",
+            Stage::Forget => "forgetting a message",
         })
     }
 }
@@ -150,6 +153,45 @@ pub enum InboxError {
     CallCompleted {
         /// This attempt's fencing token.
         fence: i64,
+    },
+    /// The message is older than its consumer's purge horizon: rows of messages that old may have
+    /// been purged, so the inbox cannot tell whether it was processed before, and refuses to run
+    /// the body again. Its send time came from its UUIDv7 key or the field named in
+    /// `#[idempotent(sent_at = "...")]`. Not retryable: dead-letter it for a person to decide
+    /// (`inbox.forget` does not help here; replay it as a new message if it must run).
+    #[error(
+        "the message was sent before its consumer's purge horizon; it may have been processed already"
+    )]
+    OlderThanHorizon {
+        /// The consumer.
+        consumer: String,
+        /// The message's key.
+        key: crate::key::MessageKey,
+        /// When the message says it was sent.
+        sent_at: std::time::SystemTime,
+        /// The consumer's purge horizon: rows processed before it may have been deleted. The
+        /// message is refused when it was sent before this plus the clock-skew margin.
+        horizon: std::time::SystemTime,
+    },
+    /// The inbox tables were made by a newer version of this library: this one will not touch
+    /// them. Upgrade the library (every instance), or restore the older tables.
+    #[error(
+        "the inbox table {table} has schema version {found}, newer than the {supported} this library knows"
+    )]
+    SchemaTooNew {
+        /// The inbox table.
+        table: String,
+        /// The version the tables record.
+        found: u32,
+        /// The newest version this library knows, [`CURRENT_VERSION`](crate::schema::CURRENT_VERSION).
+        supported: u32,
+    },
+    /// The reason given to [`Inbox::forget`](crate::Inbox::forget) is empty, too long or holds a
+    /// NUL byte.
+    #[error("invalid reason for forgetting a message: {reason}")]
+    Reason {
+        /// What is wrong with it.
+        reason: &'static str,
     },
     /// The database failed; see [`InboxError::is_retryable`].
     #[error("database error while {stage}")]

@@ -2,7 +2,7 @@
 
 use std::fmt;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -11,8 +11,9 @@ use tokio::sync::Semaphore;
 
 use crate::error::{Error, Fault, InboxError, Stage};
 use crate::key::{AsMessageKey, IdempotencyKey, MessageKey};
-use crate::metrics::{Metrics, MetricsSnapshot};
-use crate::retention::{self, PurgeReport, Purger, PurgerOptions, Retention};
+use crate::metrics::{Metrics, MetricsSnapshot, Outcome};
+use crate::retention::{self, Expired, PurgeReport, Purger, PurgerOptions, Retention};
+use crate::schema::{self, Migration};
 use crate::session::{Session, Source, Spares, Worker};
 use crate::store::{Backend, Ending, HandlerConnection, Statements, database_error, fault_of};
 use crate::table::TableName;
@@ -71,6 +72,10 @@ pub struct ClaimOptions<'a> {
     pub fingerprint: Option<&'a [u8]>,
     /// Read the stored response of a duplicate.
     pub read_response: bool,
+    /// When the message was sent, if it says (a key that is a UUIDv7 says it without this): a new
+    /// key of a message sent before its consumer's purge horizon is refused with
+    /// [`InboxError::OlderThanHorizon`]. See [`Retention`] for the horizon.
+    pub sent_at: Option<SystemTime>,
 }
 
 /// What a claim found.
@@ -182,12 +187,16 @@ impl<DB: Backend> Inbox<DB> {
         self.metrics.snapshot()
     }
 
-    /// Creates the inbox table, its calls table and their index if they are missing. Idempotent,
-    /// and safe to call from every instance at start-up.
-    pub async fn migrate(&self) -> Result<(), InboxError> {
-        DB::migrate(&self.pool, &self.config.table)
-            .await
-            .map_err(database_error(Stage::Migrate))
+    /// Creates the inbox's tables if they are missing, and upgrades tables made by an older
+    /// version of this library (see [`schema`](crate::schema)); refuses tables of a newer one with
+    /// [`InboxError::SchemaTooNew`]. Idempotent, and safe to call from every instance at start-up:
+    /// concurrent migrations wait for each other.
+    pub async fn migrate(&self) -> Result<Migration, InboxError> {
+        let source = Source {
+            keeps: false,
+            ..self.source()
+        };
+        schema::migrate(source, &self.config.statements, &self.config.table).await
     }
 
     /// Begins a transaction and claims `key` for `consumer` in it: `Some` with the open transaction
@@ -224,7 +233,7 @@ impl<DB: Backend> Inbox<DB> {
         if !span.is_disabled() {
             span.record("key", tracing::field::display(key.digest()));
         }
-        let claimed = InboxTransaction::begin_claim(
+        let (claimed, waited) = InboxTransaction::begin_claim(
             self.resources(),
             &self.config.statements,
             &self.config.settings,
@@ -237,8 +246,30 @@ impl<DB: Backend> Inbox<DB> {
             BeginError::Acquire(error) => database_error(Stage::Begin)(error),
             BeginError::Begin(error) => database_error(Stage::Claim)(error),
         })?;
+        let claimed_new = matches!(claimed, ClaimOutcome::Claimed(_));
+        self.metrics.claim_waited(consumer, claimed_new, waited);
         let mut session = match claimed {
-            ClaimOutcome::Claimed(tx) => {
+            ClaimOutcome::Claimed(mut tx) => {
+                if let Some(sent_at) = options.sent_at.or_else(|| key.sent_at()) {
+                    let margin = self.config.retention.skew_margin;
+                    let checked = retention::check_horizon::<DB>(
+                        tx.connection(),
+                        &self.config.statements,
+                        consumer,
+                        &key,
+                        sent_at,
+                        margin,
+                    )
+                    .await;
+                    if let Err(error) = checked {
+                        let _ = tx.rollback().await;
+                        if matches!(error, InboxError::OlderThanHorizon { .. }) {
+                            self.metrics.message(consumer, Outcome::OlderThanHorizon, 1);
+                            tracing::warn!(consumer, key = %key.digest(), "message older than the purge horizon: refused");
+                        }
+                        return Err(error);
+                    }
+                }
                 tracing::debug!(consumer, key = %key.digest(), "claimed message key");
                 return Ok(Claim::New(Claimed {
                     tx,
@@ -250,7 +281,7 @@ impl<DB: Backend> Inbox<DB> {
             }
             ClaimOutcome::Duplicate(session) => session,
         };
-        self.metrics.duplicate(1);
+        self.metrics.message(consumer, Outcome::Duplicate, 1);
         tracing::Span::current().record("outcome", "duplicate");
         tracing::info!(consumer, key = %key.digest(), "duplicate message: already processed");
         if options.fingerprint.is_none() && !options.read_response {
@@ -265,7 +296,8 @@ impl<DB: Backend> Inbox<DB> {
         if let (Some(ours), Some(theirs)) = (options.fingerprint, stored_fingerprint.as_deref())
             && ours != theirs
         {
-            self.metrics.fingerprint_mismatch(1);
+            self.metrics
+                .message(consumer, Outcome::FingerprintMismatch, 1);
             tracing::warn!(consumer, key = %key.digest(), "same message key, different payload");
             return Err(InboxError::FingerprintMismatch {
                 consumer: consumer.to_owned(),
@@ -319,6 +351,19 @@ impl<DB: Backend> Inbox<DB> {
         })
     }
 
+    /// Sets the margin for producers' clocks running ahead of the database's, when a message's
+    /// send time is checked against its consumer's purge horizon; see
+    /// [`Retention::skew_margin`].
+    pub fn with_clock_skew_margin(self, margin: Duration) -> Self {
+        self.with_config(|config| Config {
+            retention: Retention {
+                skew_margin: margin,
+                ..config.retention.clone()
+            },
+            ..config.clone()
+        })
+    }
+
     /// How long rows are kept.
     pub fn retention(&self) -> &Retention {
         &self.config.retention
@@ -326,6 +371,8 @@ impl<DB: Backend> Inbox<DB> {
 
     /// Deletes every expired row, `batch_size` rows per transaction, oldest first, using the index
     /// on `processed_at`; each batch is one short statement, so claims wait for at most one batch.
+    /// Before it deletes a consumer's rows it records the consumer's purge horizon (see
+    /// [`Retention`]); then it deletes the expired call records and audit rows the same way.
     /// Does nothing when another instance is purging the same table (PostgreSQL advisory lock,
     /// MySQL `GET_LOCK`). Dropped half-way (a timeout around it), it leaves nothing behind: its
     /// batch rolls back and the session holding the lock is closed.
@@ -345,6 +392,16 @@ impl<DB: Backend> Inbox<DB> {
             metrics: &self.metrics,
         };
         retention::purge(source, scope, batch_size, pause).await
+    }
+
+    /// What [`purge_expired`](Self::purge_expired) would delete now, per consumer, without
+    /// deleting anything (the CLI's `purge --dry-run`).
+    pub async fn purge_preview(&self) -> Result<Vec<Expired>, InboxError> {
+        let source = Source {
+            keeps: false,
+            ..self.source()
+        };
+        retention::preview(source, &self.config.statements, &self.config.retention).await
     }
 
     /// Starts a tokio task that purges expired rows every `options.interval`. Safe to start in
@@ -528,12 +585,12 @@ impl<DB: Backend> Claimed<DB> {
         let committed = commit(tx, Some(claim)).await;
         match &committed {
             Ok(()) => {
-                metrics.processed(1);
+                metrics.message(&consumer, Outcome::Processed, 1);
                 tracing::Span::current().record("outcome", "processed");
                 tracing::debug!(%consumer, key = %key.digest(), "committed");
             }
             Err(error) => {
-                metrics.rolled_back(1);
+                metrics.message(&consumer, Outcome::RolledBack, 1);
                 tracing::Span::current().record("outcome", "commit failed");
                 tracing::warn!(%consumer, key = %key.digest(), %error, "commit failed");
             }
@@ -543,7 +600,7 @@ impl<DB: Backend> Claimed<DB> {
 
     /// Rolls back the handler's work and the claim: a redelivery will run the handler again.
     pub async fn rollback(self) {
-        self.metrics.rolled_back(1);
+        self.metrics.message(&self.consumer, Outcome::RolledBack, 1);
         tracing::Span::current().record("outcome", "rolled back");
         tracing::debug!(consumer = %self.consumer, key = %self.key.digest(), "rolled back");
         let _ = self.tx.rollback().await;
@@ -579,7 +636,7 @@ impl<DB: Backend> Claimed<DB> {
             Err(error) => error,
         };
         let fault = as_error(&error).map_or(Fault::None, fault_of);
-        self.metrics.rolled_back(1);
+        self.metrics.message(&self.consumer, Outcome::RolledBack, 1);
         tracing::Span::current().record("outcome", "rolled back");
         tracing::debug!(consumer = %self.consumer, key = %self.key.digest(), ?fault, "handler failed; rolled back");
         let rolled_back = if fault == Fault::Broken {

@@ -227,6 +227,34 @@ impl MessageKey {
         self.stored.first() == Some(&TAG_HASHED)
     }
 
+    /// The key from the bytes the inbox stores (as [`Display`](fmt::Display) shows them in hex,
+    /// and as listings return them): for operators' tools that find a stored row again. Refuses
+    /// no bytes but the empty ones.
+    pub fn from_stored(bytes: Vec<u8>) -> Result<Self, KeyError> {
+        if bytes.is_empty() {
+            return Err(KeyError::Empty { component: 0 });
+        }
+        Ok(Self { stored: bytes })
+    }
+
+    /// When the message was sent, if its key says: a key that is one version 7 UUID carries the
+    /// time it was made.
+    pub fn sent_at(&self) -> Option<std::time::SystemTime> {
+        match self.stored.split_first() {
+            Some((&TAG_UUID, bytes)) => {
+                let uuid = uuid::Uuid::from_slice(bytes).ok()?;
+                crate::clock::uuid_v7_time(&uuid)
+            }
+            _ => None,
+        }
+    }
+
+    /// The SHA-256 of the stored bytes, in 64 hex digits; [`digest`](Self::digest) is its first
+    /// 12. The audit of a forgotten message records it.
+    pub fn full_digest(&self) -> String {
+        hex(&Sha256::digest(&self.stored))
+    }
+
     /// A short, fixed-length name for the key in logs and traces: the first 12 hex digits of the
     /// SHA-256 of the stored bytes (keys themselves may be long or sensitive).
     pub fn digest(&self) -> String {
@@ -416,6 +444,17 @@ mod tests {
             message_key("a").unwrap(),
             message_key(b"a".as_slice()).unwrap()
         );
+    }
+
+    #[test]
+    fn a_uuid_v7_key_says_when_it_was_sent() {
+        let ts = uuid::Timestamp::from_unix(uuid::NoContext, 1_700_000_000, 0);
+        let v7 = uuid::Uuid::new_v7(ts);
+        let sent = message_key(&v7).unwrap().sent_at().unwrap();
+        assert_eq!(crate::clock::to_ms(sent), 1_700_000_000_000);
+        assert_eq!(message_key(&uuid::Uuid::new_v4()).unwrap().sent_at(), None);
+        assert_eq!(message_key(&(v7, 1u8)).unwrap().sent_at(), None);
+        assert_eq!(message_key("x").unwrap().sent_at(), None);
     }
 
     #[test]

@@ -10,12 +10,15 @@ mod batch;
 #[cfg_attr(docsrs, doc(cfg(any(feature = "rabbitmq", feature = "nats"))))]
 pub mod broker;
 pub mod calls;
+mod clock;
 mod error;
 mod inbox;
 pub mod key;
 mod markers;
-mod metrics;
+pub mod metrics;
+pub mod operations;
 mod retention;
+pub mod schema;
 mod session;
 mod store;
 mod table;
@@ -26,6 +29,7 @@ pub mod __private;
 
 pub use batch::{BatchOutcome, ClaimedBatch};
 pub use calls::{CallLease, CallStart};
+pub use clock::SentAt;
 pub use error::{Error, Fault, InboxError, Stage};
 pub use inbox::{Claim, ClaimOptions, Claimed, Handled, Inbox, InboxFor, MAX_CONSUMER_LEN};
 pub use key::{
@@ -33,7 +37,9 @@ pub use key::{
 };
 pub use markers::{CorrelationId, DeliveryTag};
 pub use metrics::MetricsSnapshot;
-pub use retention::{PurgeReport, Purger, PurgerOptions, Retention};
+pub use operations::{AuditEntry, ConsumerStats, Cursor, Listing, Page, Record, StuckCall};
+pub use retention::{Expired, PurgeReport, Purger, PurgerOptions, Retention};
+pub use schema::Migration;
 #[cfg(feature = "mysql")]
 #[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
 pub use store::mysql;

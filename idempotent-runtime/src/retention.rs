@@ -1,12 +1,29 @@
-//! How long inbox rows are kept, and the purge that deletes them afterwards.
+//! How long inbox rows are kept, the purge that deletes them afterwards, and the horizon it
+//! leaves behind.
+//!
+//! # The purge horizon
+//! A message redelivered after its row was purged would look new. So before a purge deletes a
+//! consumer's expired rows, it records the cutoff as the consumer's *horizon* (in
+//! `<table>_horizons`, only moving forward): rows processed before it may be gone. A message that
+//! says when it was sent (a UUIDv7 key, or `#[idempotent(sent_at = "...")]`) and whose claim finds
+//! no row is checked against it, in the claim's transaction: sent before the horizon (plus the
+//! [clock-skew margin](Retention::skew_margin)), it is refused with
+//! [`InboxError::OlderThanHorizon`] instead of being processed again. A row that is still there is
+//! a duplicate, however old. Messages that carry no send time are not checked: redelivered after
+//! their row was purged, they are processed again.
+//!
+//! The horizon is recorded before the rows are deleted, and read after the claim's insert, so a
+//! claim that found a row gone also sees the horizon that its deletion was under.
 
 use std::collections::BTreeMap;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
+use crate::clock::{from_ms, millis, to_ms};
 use crate::error::{InboxError, Stage};
-use crate::metrics::Metrics;
+use crate::key::MessageKey;
+use crate::metrics::{Metrics, Purged};
 use crate::session::{Session, Source};
-use crate::store::{Backend, PurgeLock, Statements, database_error};
+use crate::store::{Backend, PurgeLock, PurgeScope, PurgeStatements, Statements, database_error};
 use crate::table::TableName;
 
 /// How long processed rows are kept: a default, and overrides per consumer.
@@ -16,15 +33,34 @@ use crate::table::TableName;
 /// parked in a dead-letter queue can be resubmitted by an operator days later, so the default is
 /// 14 days: the longest retention of an SQS queue and twice a week-long incident. Set it longer if
 /// your dead-letter queues keep messages longer.
+///
+/// The same retention applies to a consumer's call records (completed, or pending with a lease
+/// that ran out, counted from their last change) and to its audit rows.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Retention {
     pub(crate) default: Duration,
     pub(crate) per_consumer: BTreeMap<String, Duration>,
+    pub(crate) skew_margin: Duration,
 }
 
 impl Retention {
     /// The default retention: 14 days.
     pub const DEFAULT: Duration = Duration::from_secs(14 * 24 * 60 * 60);
+
+    /// The default clock-skew margin: 1 hour.
+    pub const DEFAULT_SKEW_MARGIN: Duration = Duration::from_secs(60 * 60);
+
+    /// The margin between a producer's clock, which stamps a message's send time, and the
+    /// database's, which sets the purge horizon: a message is refused as older than the horizon
+    /// when it was sent before the horizon plus this margin. A producer whose clock runs ahead of
+    /// the database's by less than the margin cannot slip a purged message past the check; the
+    /// price is that a message never processed before, sent within the margin after the horizon
+    /// (some two weeks ago, with the default retention), is refused too and dead-lettered.
+    /// Default [`DEFAULT_SKEW_MARGIN`](Self::DEFAULT_SKEW_MARGIN);
+    /// [`Inbox::with_clock_skew_margin`](crate::Inbox::with_clock_skew_margin) changes it.
+    pub fn skew_margin(&self) -> Duration {
+        self.skew_margin
+    }
 
     /// How long `consumer`'s rows are kept.
     pub fn of(&self, consumer: &str) -> Duration {
@@ -40,6 +76,7 @@ impl Default for Retention {
         Self {
             default: Self::DEFAULT,
             per_consumer: BTreeMap::new(),
+            skew_margin: Self::DEFAULT_SKEW_MARGIN,
         }
     }
 }
@@ -48,8 +85,12 @@ impl Default for Retention {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct PurgeReport {
-    /// Rows deleted.
+    /// Inbox rows deleted.
     pub deleted: u64,
+    /// Call records deleted.
+    pub calls_deleted: u64,
+    /// Audit rows deleted.
+    pub audit_deleted: u64,
     /// Batches (transactions) it took.
     pub batches: u64,
     /// Another instance was purging, so this one did nothing.
@@ -120,9 +161,19 @@ impl Drop for Purger {
     }
 }
 
-/// `duration` in whole milliseconds, saturated at `i64::MAX`.
-pub(crate) fn millis(duration: Duration) -> i64 {
-    i64::try_from(duration.as_millis()).unwrap_or(i64::MAX)
+/// What a purge would delete for one consumer now: see
+/// [`Inbox::purge_preview`](crate::Inbox::purge_preview).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Expired {
+    /// The consumer.
+    pub consumer: String,
+    /// Inbox rows older than its retention.
+    pub rows: u64,
+    /// Call records a purge would delete.
+    pub calls: u64,
+    /// Audit rows older than its retention.
+    pub audit: u64,
 }
 
 /// What one purge works on.
@@ -131,6 +182,39 @@ pub(crate) struct Scope<'a> {
     pub(crate) statements: &'a Statements,
     pub(crate) retention: &'a Retention,
     pub(crate) metrics: &'a Metrics,
+}
+
+/// One pass of the purge: its statements, the retention of its consumers, the consumers.
+struct Pass {
+    statements: PurgeStatements,
+    retention_ms: i64,
+    consumers: Vec<String>,
+}
+
+/// The passes over `retention`: one per consumer with a retention of its own, then one over every
+/// other consumer.
+fn passes(statements: &Statements, retention: &Retention) -> Vec<Pass> {
+    let mut passes: Vec<Pass> = retention
+        .per_consumer
+        .iter()
+        .map(|(consumer, retention)| Pass {
+            statements: statements.purge(PurgeScope::Consumer),
+            retention_ms: millis(*retention),
+            consumers: vec![consumer.clone()],
+        })
+        .collect();
+    let overridden: Vec<String> = retention.per_consumer.keys().cloned().collect();
+    passes.push(Pass {
+        statements: statements.purge(PurgeScope::AllBut(overridden.len())),
+        retention_ms: millis(retention.default),
+        consumers: overridden,
+    });
+    passes
+}
+
+/// The cutoff of a retention, given the database's clock: never before the epoch.
+fn cutoff(now_ms: i64, retention_ms: i64) -> i64 {
+    now_ms.saturating_sub(retention_ms).max(0)
 }
 
 /// Deletes every expired row, `batch_size` rows per statement, oldest first, pausing `pause`
@@ -162,6 +246,8 @@ pub(crate) async fn purge<DB: Backend>(
     tracing::info!(
         %table,
         deleted = report.deleted,
+        calls_deleted = report.calls_deleted,
+        audit_deleted = report.audit_deleted,
         batches = report.batches,
         "purged expired inbox rows"
     );
@@ -175,52 +261,122 @@ async fn purge_locked<DB: Backend>(
     pause: Duration,
 ) -> Result<PurgeReport, InboxError> {
     let batch = i64::try_from(batch_size).unwrap_or(i64::MAX);
-    let Scope {
-        retention,
-        statements,
-        metrics,
-        ..
-    } = scope;
-    let overridden: Vec<String> = retention.per_consumer.keys().cloned().collect();
-    let mut scopes: Vec<(String, i64, Vec<String>)> = retention
-        .per_consumer
-        .iter()
-        .map(|(consumer, retention)| {
-            (
-                statements.purge(true, 0),
-                millis(*retention),
-                vec![consumer.clone()],
-            )
-        })
-        .collect();
-    scopes.push((
-        statements.purge(false, overridden.len()),
-        millis(retention.default),
-        overridden,
-    ));
-    let mut session = Session::take(source)
+    let failed = || database_error(Stage::Purge);
+    let mut session = Session::take(source).await.map_err(failed())?;
+    // One clock for the whole purge: the horizon it records covers every row it deletes.
+    let now = DB::now_ms(session.start_step(), scope.statements)
         .await
-        .map_err(database_error(Stage::Purge))?;
+        .map_err(failed())?;
+    session.end_step();
     let mut report = PurgeReport::default();
-    for (statement, retention_ms, consumers) in &scopes {
-        loop {
-            let conn = session.start_step();
-            let deleted = DB::purge_batch(conn, statement, *retention_ms, consumers, batch)
+    for pass in passes(scope.statements, scope.retention) {
+        let cutoff = cutoff(now, pass.retention_ms);
+        let consumers = &pass.consumers;
+        let sql = &pass.statements;
+        // The horizon first: a row is never gone without a horizon that covers it. Which
+        // consumers have expired rows is a read (no lock a claim would wait for); each horizon
+        // is then one short write.
+        let expiring = DB::purge_consumers(session.start_step(), &sql.expiring, cutoff, consumers)
+            .await
+            .map_err(failed())?;
+        session.end_step();
+        for consumer in &expiring {
+            DB::record_horizon(session.start_step(), scope.statements, consumer, cutoff)
                 .await
-                .map_err(database_error(Stage::Purge))?;
+                .map_err(failed())?;
             session.end_step();
-            report.deleted += deleted;
-            report.batches += 1;
-            metrics.purged(deleted);
-            if deleted < batch as u64 {
-                break;
-            }
-            if !pause.is_zero() {
-                tokio::time::sleep(pause).await;
+        }
+        for (statement, kind) in [
+            (&sql.rows, Purged::Inbox),
+            (&sql.calls, Purged::Calls),
+            (&sql.audit, Purged::Audit),
+        ] {
+            loop {
+                let conn = session.start_step();
+                let deleted = DB::purge_step(conn, statement, cutoff, consumers, batch)
+                    .await
+                    .map_err(failed())?;
+                session.end_step();
+                *match kind {
+                    Purged::Inbox => &mut report.deleted,
+                    Purged::Calls => &mut report.calls_deleted,
+                    Purged::Audit => &mut report.audit_deleted,
+                } += deleted;
+                report.batches += 1;
+                scope.metrics.purged(scope.table.as_str(), kind, deleted);
+                if deleted < batch as u64 {
+                    break;
+                }
+                if !pause.is_zero() {
+                    tokio::time::sleep(pause).await;
+                }
             }
         }
     }
     Ok(report)
+}
+
+/// What a purge would delete now, per consumer, without deleting anything.
+pub(crate) async fn preview<DB: Backend>(
+    source: Source<'_, DB>,
+    statements: &Statements,
+    retention: &Retention,
+) -> Result<Vec<Expired>, InboxError> {
+    let failed = || database_error(Stage::Purge);
+    let mut session = Session::take(source).await.map_err(failed())?;
+    let now = DB::now_ms(session.start_step(), statements)
+        .await
+        .map_err(failed())?;
+    session.end_step();
+    let mut expired: BTreeMap<String, Expired> = BTreeMap::new();
+    for pass in passes(statements, retention) {
+        let cutoff = cutoff(now, pass.retention_ms);
+        for (i, count) in pass.statements.count.iter().enumerate() {
+            let counts = DB::purge_count(session.start_step(), count, cutoff, &pass.consumers)
+                .await
+                .map_err(failed())?;
+            session.end_step();
+            for (consumer, n) in counts {
+                let entry = expired.entry(consumer.clone()).or_insert_with(|| Expired {
+                    consumer,
+                    ..Expired::default()
+                });
+                let n = n.max(0) as u64;
+                match i {
+                    0 => entry.rows += n,
+                    1 => entry.calls += n,
+                    _ => entry.audit += n,
+                }
+            }
+        }
+    }
+    Ok(expired.into_values().collect())
+}
+
+/// Refuses a message sent before `consumer`'s horizon (plus `margin`), in the transaction that
+/// just claimed its key; see the module docs.
+pub(crate) async fn check_horizon<DB: Backend>(
+    conn: &mut DB::Connection,
+    statements: &Statements,
+    consumer: &str,
+    key: &MessageKey,
+    sent_at: SystemTime,
+    margin: Duration,
+) -> Result<(), InboxError> {
+    let horizon = DB::horizon(conn, statements, consumer)
+        .await
+        .map_err(database_error(Stage::Claim))?;
+    match horizon {
+        Some(horizon) if to_ms(sent_at) < horizon.saturating_add(millis(margin)) => {
+            Err(InboxError::OlderThanHorizon {
+                consumer: consumer.to_owned(),
+                key: key.clone(),
+                sent_at,
+                horizon: from_ms(horizon),
+            })
+        }
+        _ => Ok(()),
+    }
 }
 
 /// Runs `purge` every `options.interval` in a tokio task, logging its failures.

@@ -19,7 +19,7 @@
 //!   [`session`](crate::session).
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use sqlx::{AssertSqlSafe, Database, SqlSafeStr};
 use sqlx_core::transaction::TransactionManager;
@@ -67,7 +67,9 @@ pub(crate) enum BeginError {
 pub(crate) type Committed<DB> = Result<(Ending, Session<DB>), sqlx::Error>;
 
 impl<DB: Backend> InboxTransaction<DB> {
-    /// Takes a connection, begins a transaction and claims `key` for `consumer` in it.
+    /// Takes a connection, begins a transaction and claims `key` for `consumer` in it; with how
+    /// long that took once the connection was taken (the writers' queue, the `BEGIN`, and the
+    /// claim, which waits for an uncommitted claim of the same key).
     pub(crate) async fn begin_claim(
         with: Resources<'_, DB>,
         statements: &Statements,
@@ -75,10 +77,33 @@ impl<DB: Backend> InboxTransaction<DB> {
         consumer: &str,
         key: &[u8],
         fingerprint: Option<&[u8]>,
-    ) -> Result<ClaimOutcome<DB>, BeginError> {
+    ) -> Result<(ClaimOutcome<DB>, Duration), BeginError> {
         let session = Session::take(with.source)
             .await
             .map_err(BeginError::Acquire)?;
+        let started = Instant::now();
+        let claimed = Self::claim_on(
+            session,
+            with,
+            statements,
+            settings,
+            consumer,
+            key,
+            fingerprint,
+        )
+        .await?;
+        Ok((claimed, started.elapsed()))
+    }
+
+    async fn claim_on(
+        session: Session<DB>,
+        with: Resources<'_, DB>,
+        statements: &Statements,
+        settings: &DB::Settings,
+        consumer: &str,
+        key: &[u8],
+        fingerprint: Option<&[u8]>,
+    ) -> Result<ClaimOutcome<DB>, BeginError> {
         let turn = take_turn(with.writers).await;
         let mut tx = Self::begin_on(session, turn).await?;
         let pipelined = DB::pipelined_claim(settings, statements, consumer, key, fingerprint);

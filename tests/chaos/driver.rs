@@ -117,7 +117,8 @@ pub async fn run(config: &Config) -> Result<Outcome, String> {
 
     let messages: Vec<Message> = (0..config.messages)
         .map(|_| Message {
-            id: Uuid::from_u128(rng.random()),
+            // A version 4 UUID (never read as a UUIDv7 that says when it was sent).
+            id: uuid::Builder::from_random_bytes(rng.random()).into_uuid(),
             behaviour: match rng.random_range(0..100) {
                 0 => Behaviour::Poison,
                 1..=4 => Behaviour::FailOnce,

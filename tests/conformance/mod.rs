@@ -14,9 +14,11 @@ use crate::support::{Behaviour, Consumer, Delivery, Harness};
 mod adversarial;
 mod batch;
 mod lifecycle;
+mod operations;
 pub use adversarial::*;
 pub use batch::*;
 pub use lifecycle::*;
+pub use operations::*;
 
 pub async fn duplicate_delivery_runs_the_body_once(h: impl Harness) {
     let msg = Delivery::new("paid-1");
@@ -485,6 +487,14 @@ macro_rules! conformance_tests {
             worker_inbox_on_a_pool_of_one_reads_on_its_own_connection
             bad_names_and_leases_are_refused_before_any_database_work
             completing_a_call_twice_says_what_happened
+            purged_message_with_a_uuid_v7_key_is_refused_not_run_again
+            purged_message_with_a_send_time_field_is_refused_and_one_without_is_run_again
+            call_records_are_purged_with_the_retention
+            inspect_and_list_show_what_the_inbox_holds
+            stuck_calls_and_stats_show_what_needs_a_look
+            forget_runs_a_message_again_and_leaves_an_audit_row
+            migrate_upgrades_the_first_release_tables_without_losing_rows
+            migrate_refuses_a_schema_newer_than_the_library
         );
     };
     (@cases $new:expr; $($case:ident)*) => {$(

@@ -25,6 +25,10 @@ pub struct Delivery {
     /// What the handler writes to the `effects` table, to count effects by.
     pub label: String,
     pub behaviour: Behaviour,
+    /// The key of the `events` handler: a UUID (a version 7 one says when it was sent).
+    pub uuid: uuid::Uuid,
+    /// When the message says it was sent: the `stamped` handler's `sent_at` field.
+    pub sent_at: Option<std::time::SystemTime>,
 }
 
 #[derive(Clone)]
@@ -55,7 +59,30 @@ impl Delivery {
             raw_id: label.as_bytes().to_vec(),
             label: label.to_owned(),
             behaviour: Behaviour::Succeed,
+            uuid: uuid::Uuid::now_v7(),
+            sent_at: None,
         }
+    }
+
+    /// This message sent at `time`: its `uuid` a version 7 UUID of that time, its `sent_at` field
+    /// that time.
+    pub fn sent(mut self, time: std::time::SystemTime) -> Self {
+        let since = time.duration_since(std::time::UNIX_EPOCH).unwrap();
+        let stamp =
+            uuid::Timestamp::from_unix(uuid::NoContext, since.as_secs(), since.subsec_nanos());
+        self.uuid = uuid::Uuid::new_v7(stamp);
+        self.sent_at = Some(time);
+        self
+    }
+
+    pub fn with_uuid(mut self, uuid: uuid::Uuid) -> Self {
+        self.uuid = uuid;
+        self
+    }
+
+    pub fn with_sent_at(mut self, sent_at: Option<std::time::SystemTime>) -> Self {
+        self.sent_at = sent_at;
+        self
     }
 
     pub fn with_id(mut self, message_id: impl Into<String>) -> Self {
@@ -94,6 +121,10 @@ pub enum Consumer {
     OrdersByRawId,
     /// `consumer = "savepoints"`: nests transactions in its body (several statements).
     Savepoints,
+    /// `consumer = "events"`, keyed on `uuid` (a UUIDv7 key says when the message was sent).
+    Events,
+    /// `consumer = "stamped"`, keyed on `message_id`, with `sent_at = "sent_at"`.
+    Stamped,
 }
 
 pub type Outcome = Result<Handled<()>, Error<TestError>>;
@@ -192,6 +223,16 @@ pub trait Harness {
 
     /// Moves the processed time of `consumer`'s rows `by` into the past.
     fn backdate(&self, consumer: &str, by: std::time::Duration) -> impl Future<Output = ()>;
+
+    /// Runs `sql` (no parameters) on the harness's pool; the rows it changed.
+    fn execute(&self, sql: &str) -> impl Future<Output = u64>;
+
+    /// Creates the tables of schema version 1 (this library's first release, copied from it) for
+    /// the inbox table `table`, and fills them: one row per consumer `old-orders` (a key
+    /// `legacy-1` with the response `"kept"` and a fingerprint of `[7; 32]`), `legacy-2` (plain),
+    /// and two call records of `legacy-1`: `charge` completed with the result `"ch_1"`, `refund`
+    /// pending with a lease far in the future.
+    fn create_legacy_tables(&self, table: &str) -> impl Future<Output = ()>;
 
     /// Returns once another connection's claim is waiting on a lock (where the database shows it;
     /// otherwise after a pause long enough for a claim that does not wait to have finished).
@@ -296,6 +337,16 @@ macro_rules! effect_handlers {
             effect(tx, "savepoints", msg).await
         }
 
+        #[idempotent(key = "uuid", consumer = "events")]
+        pub async fn events(tx: &mut $conn, msg: &Delivery) -> Result<(), TestError> {
+            effect(tx, "events", msg).await
+        }
+
+        #[idempotent(key = "message_id", consumer = "stamped", sent_at = "sent_at")]
+        pub async fn stamped(tx: &mut $conn, msg: &Delivery) -> Result<(), TestError> {
+            effect(tx, "stamped", msg).await
+        }
+
         #[idempotent(key = "raw_id", consumer = "orders")]
         pub async fn orders_by_raw_id(tx: &mut $conn, msg: &Delivery) -> Result<(), TestError> {
             effect(tx, "orders", msg).await
@@ -339,6 +390,8 @@ macro_rules! effect_handlers {
                 crate::support::Consumer::Billing => billing(inbox, msg).await,
                 crate::support::Consumer::OrdersByRawId => orders_by_raw_id(inbox, msg).await,
                 crate::support::Consumer::Savepoints => savepoints(inbox, msg).await,
+                crate::support::Consumer::Events => events(inbox, msg).await,
+                crate::support::Consumer::Stamped => stamped(inbox, msg).await,
             }
         }
     };
@@ -459,6 +512,14 @@ macro_rules! harness_methods {
             .collect()
         }
 
+        async fn execute(&self, sql: &str) -> u64 {
+            sqlx::query(sqlx::AssertSqlSafe(sql.to_owned()))
+                .execute(&self.pool)
+                .await
+                .unwrap()
+                .rows_affected()
+        }
+
         async fn inbox_rows(&self) -> i64 {
             sqlx::query_scalar("SELECT COUNT(*) FROM idempotent_inbox")
                 .fetch_one(&self.pool)
@@ -468,6 +529,33 @@ macro_rules! harness_methods {
     };
 }
 pub(crate) use harness_methods;
+
+/// An inbox row of the first release's tables: `(key, response, fingerprint)`.
+pub type LegacyRow = (Vec<u8>, Option<Vec<u8>>, Option<Vec<u8>>);
+/// A call record of the first release's tables: `(key, call, completed, result)`.
+pub type LegacyCall = (Vec<u8>, &'static str, bool, Option<Vec<u8>>);
+
+/// The rows [`Harness::create_legacy_tables`] fills version 1 tables with.
+pub fn legacy_rows() -> (Vec<LegacyRow>, Vec<LegacyCall>) {
+    let key = |k: &str| idempotent::message_key(k).unwrap().as_bytes().to_vec();
+    (
+        vec![
+            (
+                key("legacy-1"),
+                Some(b"\"kept\"".to_vec()),
+                Some(vec![7; 32]),
+            ),
+            (key("legacy-2"), None, None),
+        ],
+        vec![
+            (key("legacy-1"), "charge", true, Some(b"\"ch_1\"".to_vec())),
+            (key("legacy-1"), "refund", false, None),
+        ],
+    )
+}
+
+/// A lease far in the future, in milliseconds (the year 2100).
+pub const FAR_LEASE_MS: i64 = 4_102_444_800_000;
 
 /// The effects table, the same on every backend.
 pub const CREATE_EFFECTS: &str =

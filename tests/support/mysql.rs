@@ -107,6 +107,70 @@ impl Harness for MySqlHarness {
         .unwrap();
     }
 
+    async fn create_legacy_tables(&self, table: &str) {
+        // The DDL of `idempotent-runtime/src/store/mysql.rs` in the first release (schema 1).
+        let t = format!("`{table}`");
+        let index = format!("`{table}_processed_at`");
+        let calls = format!("`{table}_calls`");
+        for statement in [
+            format!(
+                "CREATE TABLE IF NOT EXISTS {t} (
+                    consumer     VARBINARY(200) NOT NULL,
+                    message_key  VARBINARY(255) NOT NULL,
+                    processed_at DATETIME(6)    NOT NULL,
+                    response     LONGBLOB,
+                    fingerprint  VARBINARY(64),
+                    PRIMARY KEY (consumer, message_key),
+                    INDEX {index} (processed_at)
+                ) ENGINE = InnoDB"
+            ),
+            format!(
+                "CREATE TABLE IF NOT EXISTS {calls} (
+                    consumer    VARBINARY(200) NOT NULL,
+                    message_key VARBINARY(255) NOT NULL,
+                    call_name   VARBINARY(200) NOT NULL,
+                    fence       BIGINT         NOT NULL,
+                    lease_until BIGINT         NOT NULL,
+                    completed   BOOLEAN        NOT NULL,
+                    result      LONGBLOB,
+                    PRIMARY KEY (consumer, message_key, call_name)
+                ) ENGINE = InnoDB"
+            ),
+        ] {
+            sqlx::query(sqlx::AssertSqlSafe(statement))
+                .execute(&self.pool)
+                .await
+                .unwrap();
+        }
+        let (rows, call_rows) = super::legacy_rows();
+        for (key, response, fingerprint) in rows {
+            sqlx::query(sqlx::AssertSqlSafe(format!(
+                "INSERT INTO {t} (consumer, message_key, processed_at, response, fingerprint)
+                 VALUES ('old-orders', ?, UTC_TIMESTAMP(6), ?, ?)"
+            )))
+            .bind(key)
+            .bind(response)
+            .bind(fingerprint)
+            .execute(&self.pool)
+            .await
+            .unwrap();
+        }
+        for (key, name, completed, result) in call_rows {
+            sqlx::query(sqlx::AssertSqlSafe(format!(
+                "INSERT INTO {calls} (consumer, message_key, call_name, fence, lease_until, completed, result)
+                 VALUES ('old-orders', ?, ?, 1, ?, ?, ?)"
+            )))
+            .bind(key)
+            .bind(name)
+            .bind(super::FAR_LEASE_MS)
+            .bind(completed)
+            .bind(result)
+            .execute(&self.pool)
+            .await
+            .unwrap();
+        }
+    }
+
     async fn wait_until_a_claim_blocks(&self) {
         // InnoDB's own lock-wait view (INNODB_TRX) is a cache refreshed at most every 100 ms while
         // it is read, so it can miss a wait for as long as it is polled; the process list is live.

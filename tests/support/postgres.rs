@@ -113,6 +113,69 @@ impl Harness for PgHarness {
         .unwrap();
     }
 
+    async fn create_legacy_tables(&self, table: &str) {
+        // The DDL of `idempotent-runtime/src/store/postgres.rs` in the first release (schema 1).
+        let t = format!("\"{table}\"");
+        let index = format!("\"{table}_processed_at\"");
+        let calls = format!("\"{table}_calls\"");
+        for statement in [
+            format!(
+                "CREATE TABLE IF NOT EXISTS {t} (
+                    consumer     TEXT        NOT NULL,
+                    message_key  BYTEA       NOT NULL,
+                    processed_at TIMESTAMPTZ NOT NULL DEFAULT now(),
+                    response     BYTEA,
+                    fingerprint  BYTEA,
+                    PRIMARY KEY (consumer, message_key)
+                )"
+            ),
+            format!("CREATE INDEX IF NOT EXISTS {index} ON {t} (processed_at)"),
+            format!(
+                "CREATE TABLE IF NOT EXISTS {calls} (
+                    consumer    TEXT    NOT NULL,
+                    message_key BYTEA   NOT NULL,
+                    call_name   TEXT    NOT NULL,
+                    fence       BIGINT  NOT NULL,
+                    lease_until BIGINT  NOT NULL,
+                    completed   BOOLEAN NOT NULL,
+                    result      BYTEA,
+                    PRIMARY KEY (consumer, message_key, call_name)
+                )"
+            ),
+        ] {
+            sqlx::query(sqlx::AssertSqlSafe(statement))
+                .execute(&self.pool)
+                .await
+                .unwrap();
+        }
+        let (rows, call_rows) = super::legacy_rows();
+        for (key, response, fingerprint) in rows {
+            sqlx::query(sqlx::AssertSqlSafe(format!(
+                "INSERT INTO {t} (consumer, message_key, response, fingerprint) VALUES ('old-orders', $1, $2, $3)"
+            )))
+            .bind(key)
+            .bind(response)
+            .bind(fingerprint)
+            .execute(&self.pool)
+            .await
+            .unwrap();
+        }
+        for (key, name, completed, result) in call_rows {
+            sqlx::query(sqlx::AssertSqlSafe(format!(
+                "INSERT INTO {calls} (consumer, message_key, call_name, fence, lease_until, completed, result)
+                 VALUES ('old-orders', $1, $2, 1, $3, $4, $5)"
+            )))
+            .bind(key)
+            .bind(name)
+            .bind(super::FAR_LEASE_MS)
+            .bind(completed)
+            .bind(result)
+            .execute(&self.pool)
+            .await
+            .unwrap();
+        }
+    }
+
     async fn wait_until_a_claim_blocks(&self) {
         // A claim waiting on another transaction's uncommitted row shows as an ungranted lock
         // requested by one of this test's sessions (named after its schema).

@@ -107,6 +107,70 @@ impl Harness for SqliteHarness {
         .unwrap();
     }
 
+    async fn create_legacy_tables(&self, table: &str) {
+        // The DDL of `idempotent-runtime/src/store/sqlite.rs` in the first release (schema 1).
+        let t = format!("\"{table}\"");
+        let index = format!("\"{table}_processed_at\"");
+        let calls = format!("\"{table}_calls\"");
+        for statement in [
+            format!(
+                "CREATE TABLE IF NOT EXISTS {t} (
+                    consumer     TEXT    NOT NULL,
+                    message_key  BLOB    NOT NULL,
+                    processed_at INTEGER NOT NULL,
+                    response     BLOB,
+                    fingerprint  BLOB,
+                    PRIMARY KEY (consumer, message_key)
+                ) WITHOUT ROWID"
+            ),
+            format!("CREATE INDEX IF NOT EXISTS {index} ON {t} (processed_at)"),
+            format!(
+                "CREATE TABLE IF NOT EXISTS {calls} (
+                    consumer    TEXT    NOT NULL,
+                    message_key BLOB    NOT NULL,
+                    call_name   TEXT    NOT NULL,
+                    fence       INTEGER NOT NULL,
+                    lease_until INTEGER NOT NULL,
+                    completed   BOOLEAN NOT NULL,
+                    result      BLOB,
+                    PRIMARY KEY (consumer, message_key, call_name)
+                ) WITHOUT ROWID"
+            ),
+        ] {
+            sqlx::query(sqlx::AssertSqlSafe(statement))
+                .execute(&self.pool)
+                .await
+                .unwrap();
+        }
+        let (rows, call_rows) = super::legacy_rows();
+        for (key, response, fingerprint) in rows {
+            sqlx::query(sqlx::AssertSqlSafe(format!(
+                "INSERT INTO {t} (consumer, message_key, processed_at, response, fingerprint)
+                 VALUES ('old-orders', $1, CAST(unixepoch('subsec') * 1000 AS INTEGER), $2, $3)"
+            )))
+            .bind(key)
+            .bind(response)
+            .bind(fingerprint)
+            .execute(&self.pool)
+            .await
+            .unwrap();
+        }
+        for (key, name, completed, result) in call_rows {
+            sqlx::query(sqlx::AssertSqlSafe(format!(
+                "INSERT INTO {calls} (consumer, message_key, call_name, fence, lease_until, completed, result)
+                 VALUES ('old-orders', $1, $2, 1, $3, $4, $5)"
+            )))
+            .bind(key)
+            .bind(name)
+            .bind(super::FAR_LEASE_MS)
+            .bind(completed)
+            .bind(result)
+            .execute(&self.pool)
+            .await
+            .unwrap();
+        }
+    }
+
     async fn wait_until_a_claim_blocks(&self) {
         // SQLite shows no lock waits; a claim that did not wait would be done well within this.
         tokio::time::sleep(Duration::from_millis(300)).await;

@@ -3,7 +3,9 @@
 //!
 //! Every backend keeps one inbox table whose primary key is `(consumer, message_key)`, with the key
 //! stored as bytes, the time it was processed, and room for a stored response and a payload
-//! fingerprint; and a `<table>_calls` table for calls to outside services. A backend says how its
+//! fingerprint; a `<table>_calls` table for calls to outside services; `<table>_horizons`, each
+//! consumer's purge horizon; `<table>_audit`, the messages forgotten on purpose; and
+//! `<table>_schema`, the versions of these tables (see [`schema`](crate::schema)). A backend says how its
 //! SQL is spelt ([`Dialect`](statements::Dialect)), how the handler's transaction begins and how
 //! the inbox makes sure, at its end, that it is still the one it began (`Store`), the DDL, the
 //! batch claim and the purger's lock. The statements themselves are built from the dialect in one
@@ -32,7 +34,7 @@ pub mod sqlite;
 mod statements;
 
 pub(crate) use queries::Queries;
-pub(crate) use statements::{CallId, CallRow, Dialect, Statements};
+pub(crate) use statements::{CallId, CallRow, Dialect, PurgeScope, PurgeStatements, Statements};
 
 /// A database the inbox can live in: [`sqlx::Postgres`], [`sqlx::Sqlite`] and [`sqlx::MySql`]
 /// (with the `postgres`, `sqlite` and `mysql` features). Sealed: what it requires is the inbox's
@@ -155,12 +157,41 @@ mod private {
             false
         }
 
-        /// Creates the inbox and calls tables and their indexes if they are missing; safe to run
-        /// concurrently.
-        fn migrate<'a>(
-            pool: &'a Pool<Self>,
+        /// The tables of schema version 1 (the first release), each statement creating one thing
+        /// if it is missing; [`upgrade_ddl`](Store::upgrade_ddl) brings them to later versions.
+        fn base_ddl(table: &TableName) -> Vec<String>;
+
+        /// The statements that upgrade the tables from version `to - 1` to `to` (not the record
+        /// of the version, which [`schema`](crate::schema) adds).
+        fn upgrade_ddl(table: &TableName, to: u32) -> Vec<String>;
+
+        /// Whether a step of an upgrade failed only because it was applied before (MySQL, whose
+        /// DDL is not transactional, so that an upgrade cut off half-way is run again).
+        fn applied_before(_error: &sqlx::Error) -> bool {
+            false
+        }
+
+        /// Takes the migration's lock on `conn`: a transaction that serializes concurrent
+        /// migrations (PostgreSQL, SQLite), or a session lock (MySQL, whose DDL commits
+        /// implicitly).
+        fn lock_migration<'a>(
+            conn: &'a mut Self::Connection,
             table: &'a TableName,
         ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a;
+
+        /// Ends what [`lock_migration`](Store::lock_migration) began: commits (or, when `commit`
+        /// is false, rolls back) and releases the lock.
+        fn unlock_migration<'a>(
+            conn: &'a mut Self::Connection,
+            table: &'a TableName,
+            commit: bool,
+        ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a;
+
+        /// Whether the table `name` (unquoted) exists where the connection's statements look.
+        fn table_exists<'a>(
+            conn: &'a mut Self::Connection,
+            name: &'a str,
+        ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send + 'a;
 
         /// Claims every key of `keys` (sorted, without repeats) for `consumer` in the open
         /// transaction, in key order so that two batches with overlapping keys wait for each other

@@ -21,7 +21,8 @@
 //!     PRIMARY KEY (consumer, message_key),
 //!     INDEX `idempotent_inbox_processed_at` (processed_at)
 //! ) ENGINE = InnoDB;
-//! -- and `idempotent_inbox_calls` as on PostgreSQL, with binary names and LONGBLOB results
+//! -- and `idempotent_inbox_calls`, `…_horizons`, `…_audit` and `…_schema` as on PostgreSQL,
+//! -- with binary names and LONGBLOB results
 //! ```
 //!
 //! Why autocommit is off around the transaction: InnoDB rolls back the *whole* transaction on a
@@ -45,7 +46,7 @@
 //! most 200, so `INSERT IGNORE` never truncates one.
 
 use sqlx::mysql::{MySqlConnection, MySqlDatabaseError, MySqlTransactionManager};
-use sqlx::{AssertSqlSafe, Executor, MySql, MySqlPool};
+use sqlx::{AssertSqlSafe, Executor, MySql};
 use sqlx_core::transaction::TransactionManager;
 
 use super::{Backend, Dialect, Ending, HandlerConnection, Statements, Store};
@@ -56,6 +57,10 @@ use crate::table::TableName;
 /// to fit MySQL's 64 characters.
 const PURGE_LOCK_NAME: &str =
     "CONCAT('idempotent_purge_', LEFT(SHA1(CONCAT(DATABASE(), '.', ?)), 40))";
+
+/// The migration's lock name, given the table name, as [`PURGE_LOCK_NAME`] is the purger's.
+const MIGRATE_LOCK_NAME: &str =
+    "CONCAT('idempotent_migrate_', LEFT(SHA1(CONCAT(DATABASE(), '.', ?)), 40))";
 
 /// Commits the transaction if it is still the one the inbox began, and sets the session back.
 const COMMIT: &str = "RELEASE SAVEPOINT idempotent_claim; COMMIT; SET autocommit = 1";
@@ -80,7 +85,11 @@ impl Store for MySql {
         on_conflict: "",
         processed_now: "UTC_TIMESTAMP(6)",
         now_ms: "CAST(UNIX_TIMESTAMP(NOW(6)) * 1000 AS SIGNED)",
-        older_than: "processed_at < UTC_TIMESTAMP(6) - INTERVAL ({} * 1000) MICROSECOND",
+        time_of_ms: "(TIMESTAMP'1970-01-01 00:00:00' + INTERVAL ({} * 1000) MICROSECOND)",
+        processed_ms: "CAST(TIMESTAMPDIFF(MICROSECOND, TIMESTAMP'1970-01-01 00:00:00', processed_at) DIV 1000 AS SIGNED)",
+        text_of: "CAST({} AS CHAR)",
+        int: "SIGNED",
+        upsert_horizon: " ON DUPLICATE KEY UPDATE purged_until = GREATEST(purged_until, VALUES(purged_until))",
         delete_limit: true,
     };
 
@@ -126,41 +135,126 @@ impl Store for MySql {
         Some(fault_of_error(error.number(), error.code()))
     }
 
-    async fn migrate(pool: &MySqlPool, table: &TableName) -> Result<(), sqlx::Error> {
+    fn base_ddl(table: &TableName) -> Vec<String> {
         let t = table.quoted('`');
         let index = table.quoted_suffixed("processed_at", '`');
         let calls = table.quoted_suffixed("calls", '`');
-        let mut connection = pool.acquire().await?;
-        for statement in [
+        vec![
             format!(
                 "CREATE TABLE IF NOT EXISTS {t} (
-                    consumer     VARBINARY(200) NOT NULL,
-                    message_key  VARBINARY(255) NOT NULL,
-                    processed_at DATETIME(6)    NOT NULL,
-                    response     LONGBLOB,
-                    fingerprint  VARBINARY(64),
-                    PRIMARY KEY (consumer, message_key),
-                    INDEX {index} (processed_at)
-                ) ENGINE = InnoDB"
+    consumer     VARBINARY(200) NOT NULL,
+    message_key  VARBINARY(255) NOT NULL,
+    processed_at DATETIME(6)    NOT NULL,
+    response     LONGBLOB,
+    fingerprint  VARBINARY(64),
+    PRIMARY KEY (consumer, message_key),
+    INDEX {index} (processed_at)
+) ENGINE = InnoDB"
             ),
             format!(
                 "CREATE TABLE IF NOT EXISTS {calls} (
-                    consumer    VARBINARY(200) NOT NULL,
-                    message_key VARBINARY(255) NOT NULL,
-                    call_name   VARBINARY(200) NOT NULL,
-                    fence       BIGINT         NOT NULL,
-                    lease_until BIGINT         NOT NULL,
-                    completed   BOOLEAN        NOT NULL,
-                    result      LONGBLOB,
-                    PRIMARY KEY (consumer, message_key, call_name)
-                ) ENGINE = InnoDB"
+    consumer    VARBINARY(200) NOT NULL,
+    message_key VARBINARY(255) NOT NULL,
+    call_name   VARBINARY(200) NOT NULL,
+    fence       BIGINT         NOT NULL,
+    lease_until BIGINT         NOT NULL,
+    completed   BOOLEAN        NOT NULL,
+    result      LONGBLOB,
+    PRIMARY KEY (consumer, message_key, call_name)
+) ENGINE = InnoDB"
             ),
-        ] {
-            sqlx::query(AssertSqlSafe(statement))
-                .execute(&mut *connection)
-                .await?;
+        ]
+    }
+
+    fn upgrade_ddl(table: &TableName, to: u32) -> Vec<String> {
+        let q = |suffix| table.quoted_suffixed(suffix, '`');
+        let (calls, horizons, audit, schema) = (q("calls"), q("horizons"), q("audit"), q("schema"));
+        let now_ms = Self::DIALECT.now_ms;
+        match to {
+            // DDL commits implicitly here: each step can be run again (see `applied_before`).
+            2 => vec![
+                format!("ALTER TABLE {calls} ADD COLUMN updated_at BIGINT NOT NULL DEFAULT 0"),
+                format!("UPDATE {calls} SET updated_at = {now_ms} WHERE updated_at = 0"),
+                format!(
+                    "CREATE INDEX {} ON {calls} (updated_at)",
+                    q("calls_updated")
+                ),
+                format!(
+                    "CREATE TABLE IF NOT EXISTS {horizons} (
+    consumer     VARBINARY(200) NOT NULL PRIMARY KEY,
+    purged_until BIGINT         NOT NULL
+) ENGINE = InnoDB"
+                ),
+                format!(
+                    "CREATE TABLE IF NOT EXISTS {audit} (
+    id           BIGINT         NOT NULL AUTO_INCREMENT PRIMARY KEY,
+    consumer     VARBINARY(200) NOT NULL,
+    key_digest   VARCHAR(64)    NOT NULL,
+    reason       TEXT           NOT NULL,
+    processed_at BIGINT,
+    forgotten_at BIGINT         NOT NULL,
+    INDEX {} (forgotten_at)
+) ENGINE = InnoDB",
+                    q("audit_at")
+                ),
+                format!(
+                    "CREATE TABLE IF NOT EXISTS {schema} (
+    version     INT    NOT NULL PRIMARY KEY,
+    migrated_at BIGINT NOT NULL
+) ENGINE = InnoDB"
+                ),
+            ],
+            _ => Vec::new(),
         }
+    }
+
+    fn applied_before(error: &sqlx::Error) -> bool {
+        // Duplicate column name, duplicate key name: the step ran in a migration cut off later.
+        number(error).is_some_and(|number| matches!(number, 1060 | 1061))
+    }
+
+    async fn lock_migration(
+        conn: &mut MySqlConnection,
+        table: &TableName,
+    ) -> Result<(), sqlx::Error> {
+        let locked: Option<i64> = sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT GET_LOCK({MIGRATE_LOCK_NAME}, 60)"
+        )))
+        .bind(table.as_str())
+        .fetch_one(conn)
+        .await?;
+        if locked == Some(1) {
+            Ok(())
+        } else {
+            Err(sqlx::Error::Protocol(
+                "waited 60 s for another instance's migration of the same tables".into(),
+            ))
+        }
+    }
+
+    async fn unlock_migration(
+        conn: &mut MySqlConnection,
+        table: &TableName,
+        _commit: bool,
+    ) -> Result<(), sqlx::Error> {
+        sqlx::query(AssertSqlSafe(format!(
+            "SELECT RELEASE_LOCK({MIGRATE_LOCK_NAME})"
+        )))
+        .bind(table.as_str())
+        .execute(conn)
+        .await?;
         Ok(())
+    }
+
+    async fn table_exists(conn: &mut MySqlConnection, name: &str) -> Result<bool, sqlx::Error> {
+        let found: i64 = sqlx::query_scalar(
+            "SELECT COUNT(*) FROM information_schema.TABLES \
+             WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = ?",
+        )
+        .bind(name)
+        .fetch_one(conn)
+        .await?;
+        Ok(found > 0)
     }
 
     async fn claim_batch(
@@ -205,6 +299,12 @@ impl Store for MySql {
         .await?;
         Ok(())
     }
+}
+
+/// The MySQL error number of a database error.
+fn number(error: &sqlx::Error) -> Option<u16> {
+    let database = error.as_database_error()?;
+    Some(database.try_downcast_ref::<MySqlDatabaseError>()?.number())
 }
 
 /// Rolls back whatever is open and turns autocommit back on.

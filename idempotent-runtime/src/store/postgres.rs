@@ -43,8 +43,12 @@
 //!     lease_until  BIGINT  NOT NULL,  -- the database's clock, Unix milliseconds
 //!     completed    BOOLEAN NOT NULL,
 //!     result       BYTEA,
+//!     updated_at   BIGINT  NOT NULL DEFAULT 0,  -- last change, Unix milliseconds (version 2)
 //!     PRIMARY KEY (consumer, message_key, call_name)
 //! );
+//! -- version 2: "idempotent_inbox_horizons" (consumer, purged_until), "idempotent_inbox_audit"
+//! -- (id, consumer, key_digest, reason, processed_at, forgotten_at), "idempotent_inbox_schema"
+//! -- (version, migrated_at); `idempotent ddl` prints them all
 //! ```
 //!
 //! Only one instance purges a table at a time: the purger holds a session advisory lock on the
@@ -52,7 +56,7 @@
 
 use sha2::{Digest, Sha256};
 use sqlx::postgres::{PgConnection, PgDatabaseError, PgTransactionManager};
-use sqlx::{AssertSqlSafe, Executor, PgPool, Postgres, Row};
+use sqlx::{AssertSqlSafe, Executor, Postgres, Row};
 use sqlx_core::transaction::TransactionManager;
 
 use super::{Backend, Dialect, Ending, HandlerConnection, Statements, Store};
@@ -95,7 +99,12 @@ impl Store for Postgres {
         on_conflict: " ON CONFLICT DO NOTHING",
         processed_now: "now()",
         now_ms: "(extract(epoch FROM clock_timestamp()) * 1000)::bigint",
-        older_than: "processed_at < now() - {} * interval '1 millisecond'",
+        time_of_ms: "(to_timestamp(0) + {} * interval '1 millisecond')",
+        processed_ms: "CAST(floor(extract(epoch FROM processed_at) * 1000) AS BIGINT)",
+        text_of: "{}",
+        int: "BIGINT",
+        upsert_horizon: " ON CONFLICT (consumer) DO UPDATE \
+            SET purged_until = GREATEST({h}.purged_until, EXCLUDED.purged_until)",
         delete_limit: false,
     };
 
@@ -174,45 +183,111 @@ impl Store for Postgres {
         sqlstate(error) == Some("26000")
     }
 
-    async fn migrate(pool: &PgPool, table: &TableName) -> Result<(), sqlx::Error> {
+    fn base_ddl(table: &TableName) -> Vec<String> {
         let t = table.quoted('"');
         let index = table.quoted_suffixed("processed_at", '"');
         let calls = table.quoted_suffixed("calls", '"');
-        let mut tx = pool.begin().await?;
-        sqlx::query("SELECT pg_advisory_xact_lock($1)")
-            .bind(MIGRATE_LOCK)
-            .execute(&mut *tx)
-            .await?;
-        for statement in [
+        vec![
             format!(
                 "CREATE TABLE IF NOT EXISTS {t} (
-                    consumer     TEXT        NOT NULL,
-                    message_key  BYTEA       NOT NULL,
-                    processed_at TIMESTAMPTZ NOT NULL DEFAULT now(),
-                    response     BYTEA,
-                    fingerprint  BYTEA,
-                    PRIMARY KEY (consumer, message_key)
-                )"
+    consumer     TEXT        NOT NULL,
+    message_key  BYTEA       NOT NULL,
+    processed_at TIMESTAMPTZ NOT NULL DEFAULT now(),
+    response     BYTEA,
+    fingerprint  BYTEA,
+    PRIMARY KEY (consumer, message_key)
+)"
             ),
             format!("CREATE INDEX IF NOT EXISTS {index} ON {t} (processed_at)"),
             format!(
                 "CREATE TABLE IF NOT EXISTS {calls} (
-                    consumer    TEXT    NOT NULL,
-                    message_key BYTEA   NOT NULL,
-                    call_name   TEXT    NOT NULL,
-                    fence       BIGINT  NOT NULL,
-                    lease_until BIGINT  NOT NULL,
-                    completed   BOOLEAN NOT NULL,
-                    result      BYTEA,
-                    PRIMARY KEY (consumer, message_key, call_name)
-                )"
+    consumer    TEXT    NOT NULL,
+    message_key BYTEA   NOT NULL,
+    call_name   TEXT    NOT NULL,
+    fence       BIGINT  NOT NULL,
+    lease_until BIGINT  NOT NULL,
+    completed   BOOLEAN NOT NULL,
+    result      BYTEA,
+    PRIMARY KEY (consumer, message_key, call_name)
+)"
             ),
-        ] {
-            sqlx::query(AssertSqlSafe(statement))
-                .execute(&mut *tx)
-                .await?;
+        ]
+    }
+
+    fn upgrade_ddl(table: &TableName, to: u32) -> Vec<String> {
+        let q = |suffix| table.quoted_suffixed(suffix, '"');
+        let (calls, horizons, audit, schema) = (q("calls"), q("horizons"), q("audit"), q("schema"));
+        let now_ms = Self::DIALECT.now_ms;
+        match to {
+            2 => vec![
+                format!(
+                    "ALTER TABLE {calls} ADD COLUMN IF NOT EXISTS updated_at BIGINT NOT NULL DEFAULT 0"
+                ),
+                format!("UPDATE {calls} SET updated_at = {now_ms} WHERE updated_at = 0"),
+                format!(
+                    "CREATE INDEX IF NOT EXISTS {} ON {calls} (updated_at)",
+                    q("calls_updated")
+                ),
+                format!(
+                    "CREATE TABLE IF NOT EXISTS {horizons} (
+    consumer     TEXT   NOT NULL PRIMARY KEY,
+    purged_until BIGINT NOT NULL
+)"
+                ),
+                format!(
+                    "CREATE TABLE IF NOT EXISTS {audit} (
+    id           BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    consumer     TEXT   NOT NULL,
+    key_digest   TEXT   NOT NULL,
+    reason       TEXT   NOT NULL,
+    processed_at BIGINT,
+    forgotten_at BIGINT NOT NULL
+)"
+                ),
+                format!(
+                    "CREATE INDEX IF NOT EXISTS {} ON {audit} (forgotten_at)",
+                    q("audit_at")
+                ),
+                format!(
+                    "CREATE TABLE IF NOT EXISTS {schema} (
+    version     INTEGER NOT NULL PRIMARY KEY,
+    migrated_at BIGINT  NOT NULL
+)"
+                ),
+            ],
+            _ => Vec::new(),
         }
-        tx.commit().await
+    }
+
+    async fn lock_migration(
+        conn: &mut PgConnection,
+        _table: &TableName,
+    ) -> Result<(), sqlx::Error> {
+        PgTransactionManager::begin(conn, None).await?;
+        sqlx::query("SELECT pg_advisory_xact_lock($1)")
+            .bind(MIGRATE_LOCK)
+            .execute(conn)
+            .await?;
+        Ok(())
+    }
+
+    async fn unlock_migration(
+        conn: &mut PgConnection,
+        _table: &TableName,
+        commit: bool,
+    ) -> Result<(), sqlx::Error> {
+        if commit {
+            PgTransactionManager::commit(conn).await
+        } else {
+            PgTransactionManager::rollback(conn).await
+        }
+    }
+
+    async fn table_exists(conn: &mut PgConnection, name: &str) -> Result<bool, sqlx::Error> {
+        sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
+            .bind(format!("\"{name}\""))
+            .fetch_one(conn)
+            .await
     }
 
     async fn claim_batch(

@@ -10,7 +10,35 @@ use std::future::Future;
 use sqlx::{AssertSqlSafe, Database, Decode, Encode, Executor, Type};
 
 use super::private::Store;
-use super::statements::{CallId, CallRow, Statements, StoredRow};
+use super::statements::{
+    AuditRow, Bind, CallId, CallRow, InspectRow, ListRow, PurgeSql, Statements, StoredRow, StuckRow,
+};
+
+/// What [`Queries::stats`] reads: rows per consumer, calls per consumer, horizons.
+pub(crate) type StatsRows = (
+    Vec<(String, i64, Option<i64>)>,
+    Vec<(String, i64, i64)>,
+    Vec<(String, i64)>,
+);
+
+/// Binds a purge statement's values in the order it names them.
+macro_rules! bind_purge {
+    ($query:expr, $sql:expr, $cutoff:expr, $consumers:expr, $batch:expr) => {{
+        let mut query = $query;
+        for bind in &$sql.binds {
+            match bind {
+                Bind::Cutoff => query = query.bind($cutoff),
+                Bind::Consumers => {
+                    for consumer in $consumers {
+                        query = query.bind(consumer.as_str());
+                    }
+                }
+                Bind::Limit => query = query.bind($batch),
+            }
+        }
+        query
+    }};
+}
 
 /// The shared statements; see the module docs.
 pub trait Queries: Store {
@@ -62,14 +90,117 @@ pub trait Queries: Store {
         key: &'a [u8],
     ) -> impl Future<Output = Result<Option<StoredRow>, sqlx::Error>> + Send + 'a;
 
-    /// Deletes one batch of expired rows with `statement` (see [`Statements::purge`]).
-    fn purge_batch<'a>(
+    /// The database's clock, in milliseconds since the Unix epoch.
+    fn now_ms<'a>(
         conn: &'a mut Self::Connection,
-        statement: &'a str,
-        retention_ms: i64,
+        statements: &'a Statements,
+    ) -> impl Future<Output = Result<i64, sqlx::Error>> + Send + 'a;
+
+    /// Runs a statement of the purge (see [`Statements::purge`]); the rows it changed.
+    fn purge_step<'a>(
+        conn: &'a mut Self::Connection,
+        sql: &'a PurgeSql,
+        cutoff: i64,
         consumers: &'a [String],
         batch: i64,
     ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send + 'a;
+
+    /// The consumers a purge pass finds expired rows of (see [`Statements::purge`]).
+    fn purge_consumers<'a>(
+        conn: &'a mut Self::Connection,
+        sql: &'a PurgeSql,
+        cutoff: i64,
+        consumers: &'a [String],
+    ) -> impl Future<Output = Result<Vec<String>, sqlx::Error>> + Send + 'a;
+
+    /// Moves `consumer`'s horizon forward to `until`.
+    fn record_horizon<'a>(
+        conn: &'a mut Self::Connection,
+        statements: &'a Statements,
+        consumer: &'a str,
+        until: i64,
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a;
+
+    /// Runs a count of the purge's dry run: `(consumer, rows)`.
+    fn purge_count<'a>(
+        conn: &'a mut Self::Connection,
+        sql: &'a PurgeSql,
+        cutoff: i64,
+        consumers: &'a [String],
+    ) -> impl Future<Output = Result<Vec<(String, i64)>, sqlx::Error>> + Send + 'a;
+
+    /// `consumer`'s purge horizon, in milliseconds of the database's clock.
+    fn horizon<'a>(
+        conn: &'a mut Self::Connection,
+        statements: &'a Statements,
+        consumer: &'a str,
+    ) -> impl Future<Output = Result<Option<i64>, sqlx::Error>> + Send + 'a;
+
+    /// The inbox row of `(consumer, key)`.
+    fn inspect<'a>(
+        conn: &'a mut Self::Connection,
+        statements: &'a Statements,
+        consumer: &'a str,
+        key: &'a [u8],
+    ) -> impl Future<Output = Result<Option<InspectRow>, sqlx::Error>> + Send + 'a;
+
+    /// A page of `consumer`'s rows processed in `[from, until)` (milliseconds), after the row
+    /// `after` (its time and key), in order.
+    fn list<'a>(
+        conn: &'a mut Self::Connection,
+        statements: &'a Statements,
+        consumer: &'a str,
+        range: (i64, i64),
+        after: (i64, &'a [u8]),
+        limit: i64,
+    ) -> impl Future<Output = Result<Vec<ListRow>, sqlx::Error>> + Send + 'a;
+
+    /// Pending calls whose lease ran out, of `consumer` or of every consumer.
+    fn stuck_calls<'a>(
+        conn: &'a mut Self::Connection,
+        statements: &'a Statements,
+        consumer: Option<&'a str>,
+        limit: i64,
+    ) -> impl Future<Output = Result<Vec<StuckRow>, sqlx::Error>> + Send + 'a;
+
+    /// Deletes the inbox row of `(consumer, key)`; whether there was one.
+    fn forget<'a>(
+        conn: &'a mut Self::Connection,
+        statements: &'a Statements,
+        consumer: &'a str,
+        key: &'a [u8],
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send + 'a;
+
+    /// Writes the audit row of a forgotten message.
+    fn audit_insert<'a>(
+        conn: &'a mut Self::Connection,
+        statements: &'a Statements,
+        consumer: &'a str,
+        digest: &'a str,
+        reason: &'a str,
+        processed_ms: i64,
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a;
+
+    /// The newest audit rows, of `consumer` or of every consumer.
+    fn audit_read<'a>(
+        conn: &'a mut Self::Connection,
+        statements: &'a Statements,
+        consumer: Option<&'a str>,
+        limit: i64,
+    ) -> impl Future<Output = Result<Vec<AuditRow>, sqlx::Error>> + Send + 'a;
+
+    /// Per consumer: `(consumer, rows, oldest_ms)`, `(consumer, pending, stuck)` calls and
+    /// `(consumer, horizon_ms)`.
+    fn stats<'a>(
+        conn: &'a mut Self::Connection,
+        statements: &'a Statements,
+    ) -> impl Future<Output = Result<StatsRows, sqlx::Error>> + Send + 'a;
+
+    /// The newest schema version recorded, if any.
+    fn schema_version<'a>(
+        conn: &'a mut Self::Connection,
+        statements: &'a Statements,
+    ) -> impl Future<Output = Result<Option<i64>, sqlx::Error>> + Send + 'a;
 
     /// Records a call as pending with fence 1 unless it is recorded; `true` when this inserted it.
     fn call_insert<'a>(
@@ -140,6 +271,9 @@ where
     for<'r> Option<Vec<u8>>: Decode<'r, DB> + Type<DB>,
     for<'r> i64: Decode<'r, DB>,
     for<'r> bool: Decode<'r, DB> + Type<DB>,
+    for<'r> String: Decode<'r, DB> + Type<DB>,
+    for<'r> Vec<u8>: Decode<'r, DB> + Type<DB>,
+    for<'r> Option<i64>: Decode<'r, DB>,
     usize: sqlx::ColumnIndex<DB::Row>,
     DB: sqlx::database::HasStatementCache,
     DB::QueryResult: RowsAffected,
@@ -212,18 +346,190 @@ where
             .await
     }
 
-    async fn purge_batch(
+    async fn now_ms(
         conn: &mut DB::Connection,
-        statement: &str,
-        retention_ms: i64,
+        statements: &Statements,
+    ) -> Result<i64, sqlx::Error> {
+        sqlx::query_scalar(AssertSqlSafe(statements.now.clone()))
+            .fetch_one(conn)
+            .await
+    }
+
+    async fn purge_step(
+        conn: &mut DB::Connection,
+        sql: &PurgeSql,
+        cutoff: i64,
         consumers: &[String],
         batch: i64,
     ) -> Result<u64, sqlx::Error> {
-        let mut query = sqlx::query(AssertSqlSafe(statement.to_owned())).bind(retention_ms);
-        for consumer in consumers {
-            query = query.bind(consumer.as_str());
-        }
-        Ok(query.bind(batch).execute(conn).await?.rows())
+        let query = sqlx::query(AssertSqlSafe(sql.sql.clone()));
+        let query = bind_purge!(query, sql, cutoff, consumers, batch);
+        Ok(query.execute(conn).await?.rows())
+    }
+
+    async fn purge_count(
+        conn: &mut DB::Connection,
+        sql: &PurgeSql,
+        cutoff: i64,
+        consumers: &[String],
+    ) -> Result<Vec<(String, i64)>, sqlx::Error> {
+        let query = sqlx::query_as(AssertSqlSafe(sql.sql.clone()));
+        let query = bind_purge!(query, sql, cutoff, consumers, 0i64);
+        query.fetch_all(conn).await
+    }
+
+    async fn purge_consumers(
+        conn: &mut DB::Connection,
+        sql: &PurgeSql,
+        cutoff: i64,
+        consumers: &[String],
+    ) -> Result<Vec<String>, sqlx::Error> {
+        let query = sqlx::query_scalar(AssertSqlSafe(sql.sql.clone()));
+        let query = bind_purge!(query, sql, cutoff, consumers, 0i64);
+        query.fetch_all(conn).await
+    }
+
+    async fn record_horizon(
+        conn: &mut DB::Connection,
+        statements: &Statements,
+        consumer: &str,
+        until: i64,
+    ) -> Result<(), sqlx::Error> {
+        sqlx::query(AssertSqlSafe(statements.record_horizon.clone()))
+            .bind(consumer)
+            .bind(until)
+            .execute(conn)
+            .await?;
+        Ok(())
+    }
+
+    async fn horizon(
+        conn: &mut DB::Connection,
+        statements: &Statements,
+        consumer: &str,
+    ) -> Result<Option<i64>, sqlx::Error> {
+        sqlx::query_scalar(AssertSqlSafe(statements.horizon.clone()))
+            .bind(consumer)
+            .fetch_optional(conn)
+            .await
+    }
+
+    async fn inspect(
+        conn: &mut DB::Connection,
+        statements: &Statements,
+        consumer: &str,
+        key: &[u8],
+    ) -> Result<Option<InspectRow>, sqlx::Error> {
+        sqlx::query_as(AssertSqlSafe(statements.inspect.clone()))
+            .bind(consumer)
+            .bind(key)
+            .fetch_optional(conn)
+            .await
+    }
+
+    async fn list(
+        conn: &mut DB::Connection,
+        statements: &Statements,
+        consumer: &str,
+        (from, until): (i64, i64),
+        (at, key): (i64, &[u8]),
+        limit: i64,
+    ) -> Result<Vec<ListRow>, sqlx::Error> {
+        sqlx::query_as(AssertSqlSafe(statements.list.clone()))
+            .bind(consumer)
+            .bind(from)
+            .bind(until)
+            .bind(at)
+            .bind(at)
+            .bind(key)
+            .bind(limit)
+            .fetch_all(conn)
+            .await
+    }
+
+    async fn stuck_calls(
+        conn: &mut DB::Connection,
+        statements: &Statements,
+        consumer: Option<&str>,
+        limit: i64,
+    ) -> Result<Vec<StuckRow>, sqlx::Error> {
+        sqlx::query_as(AssertSqlSafe(statements.stuck_calls.clone()))
+            .bind(i64::from(consumer.is_none()))
+            .bind(consumer.unwrap_or(""))
+            .bind(limit)
+            .fetch_all(conn)
+            .await
+    }
+
+    async fn forget(
+        conn: &mut DB::Connection,
+        statements: &Statements,
+        consumer: &str,
+        key: &[u8],
+    ) -> Result<bool, sqlx::Error> {
+        let done = sqlx::query(AssertSqlSafe(statements.forget.clone()))
+            .bind(consumer)
+            .bind(key)
+            .execute(conn)
+            .await?;
+        Ok(done.rows() == 1)
+    }
+
+    async fn audit_insert(
+        conn: &mut DB::Connection,
+        statements: &Statements,
+        consumer: &str,
+        digest: &str,
+        reason: &str,
+        processed_ms: i64,
+    ) -> Result<(), sqlx::Error> {
+        sqlx::query(AssertSqlSafe(statements.audit_insert.clone()))
+            .bind(consumer)
+            .bind(digest)
+            .bind(reason)
+            .bind(processed_ms)
+            .execute(conn)
+            .await?;
+        Ok(())
+    }
+
+    async fn audit_read(
+        conn: &mut DB::Connection,
+        statements: &Statements,
+        consumer: Option<&str>,
+        limit: i64,
+    ) -> Result<Vec<AuditRow>, sqlx::Error> {
+        sqlx::query_as(AssertSqlSafe(statements.audit_read.clone()))
+            .bind(i64::from(consumer.is_none()))
+            .bind(consumer.unwrap_or(""))
+            .bind(limit)
+            .fetch_all(conn)
+            .await
+    }
+
+    async fn stats(
+        conn: &mut DB::Connection,
+        statements: &Statements,
+    ) -> Result<StatsRows, sqlx::Error> {
+        let rows = sqlx::query_as(AssertSqlSafe(statements.stats_rows.clone()))
+            .fetch_all(&mut *conn)
+            .await?;
+        let calls = sqlx::query_as(AssertSqlSafe(statements.stats_calls.clone()))
+            .fetch_all(&mut *conn)
+            .await?;
+        let horizons = sqlx::query_as(AssertSqlSafe(statements.stats_horizons.clone()))
+            .fetch_all(&mut *conn)
+            .await?;
+        Ok((rows, calls, horizons))
+    }
+
+    async fn schema_version(
+        conn: &mut DB::Connection,
+        statements: &Statements,
+    ) -> Result<Option<i64>, sqlx::Error> {
+        sqlx::query_scalar(AssertSqlSafe(statements.schema_version.clone()))
+            .fetch_one(conn)
+            .await
     }
 
     async fn call_insert(

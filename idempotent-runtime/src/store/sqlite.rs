@@ -29,7 +29,8 @@
 //!     PRIMARY KEY (consumer, message_key)
 //! ) WITHOUT ROWID;
 //! CREATE INDEX "idempotent_inbox_processed_at" ON "idempotent_inbox" (processed_at);
-//! -- and "idempotent_inbox_calls" as on PostgreSQL, with INTEGER times
+//! -- and "idempotent_inbox_calls", "…_horizons", "…_audit" and "…_schema" as on PostgreSQL,
+//! -- with INTEGER times
 //! ```
 
 use std::str::FromStr;
@@ -40,7 +41,7 @@ use sqlx::sqlite::{
     SqliteConnectOptions, SqliteConnection, SqliteError, SqliteJournalMode,
     SqliteTransactionManager,
 };
-use sqlx::{AssertSqlSafe, Executor, Sqlite, SqlitePool};
+use sqlx::{AssertSqlSafe, Executor, SqlSafeStr, Sqlite};
 use sqlx_core::transaction::TransactionManager;
 
 use super::{Backend, Dialect, Ending, HandlerConnection, Statements, Store};
@@ -105,7 +106,12 @@ impl Store for Sqlite {
         on_conflict: "",
         processed_now: "CAST(unixepoch('subsec') * 1000 AS INTEGER)",
         now_ms: "CAST(unixepoch('subsec') * 1000 AS INTEGER)",
-        older_than: "processed_at < CAST(unixepoch('subsec') * 1000 AS INTEGER) - {}",
+        time_of_ms: "{}",
+        processed_ms: "processed_at",
+        text_of: "{}",
+        int: "INTEGER",
+        upsert_horizon: " ON CONFLICT (consumer) DO UPDATE \
+            SET purged_until = MAX(purged_until, excluded.purged_until)",
         delete_limit: false,
     };
 
@@ -170,41 +176,108 @@ impl Store for Sqlite {
         )
     }
 
-    async fn migrate(pool: &SqlitePool, table: &TableName) -> Result<(), sqlx::Error> {
+    fn base_ddl(table: &TableName) -> Vec<String> {
         let t = table.quoted('"');
         let index = table.quoted_suffixed("processed_at", '"');
         let calls = table.quoted_suffixed("calls", '"');
-        let mut tx = pool.begin_with("BEGIN IMMEDIATE").await?;
-        for statement in [
+        vec![
             format!(
                 "CREATE TABLE IF NOT EXISTS {t} (
-                    consumer     TEXT    NOT NULL,
-                    message_key  BLOB    NOT NULL,
-                    processed_at INTEGER NOT NULL,
-                    response     BLOB,
-                    fingerprint  BLOB,
-                    PRIMARY KEY (consumer, message_key)
-                ) WITHOUT ROWID"
+    consumer     TEXT    NOT NULL,
+    message_key  BLOB    NOT NULL,
+    processed_at INTEGER NOT NULL,
+    response     BLOB,
+    fingerprint  BLOB,
+    PRIMARY KEY (consumer, message_key)
+) WITHOUT ROWID"
             ),
             format!("CREATE INDEX IF NOT EXISTS {index} ON {t} (processed_at)"),
             format!(
                 "CREATE TABLE IF NOT EXISTS {calls} (
-                    consumer    TEXT    NOT NULL,
-                    message_key BLOB    NOT NULL,
-                    call_name   TEXT    NOT NULL,
-                    fence       INTEGER NOT NULL,
-                    lease_until INTEGER NOT NULL,
-                    completed   BOOLEAN NOT NULL,
-                    result      BLOB,
-                    PRIMARY KEY (consumer, message_key, call_name)
-                ) WITHOUT ROWID"
+    consumer    TEXT    NOT NULL,
+    message_key BLOB    NOT NULL,
+    call_name   TEXT    NOT NULL,
+    fence       INTEGER NOT NULL,
+    lease_until INTEGER NOT NULL,
+    completed   BOOLEAN NOT NULL,
+    result      BLOB,
+    PRIMARY KEY (consumer, message_key, call_name)
+) WITHOUT ROWID"
             ),
-        ] {
-            sqlx::query(AssertSqlSafe(statement))
-                .execute(&mut *tx)
-                .await?;
+        ]
+    }
+
+    fn upgrade_ddl(table: &TableName, to: u32) -> Vec<String> {
+        let q = |suffix| table.quoted_suffixed(suffix, '"');
+        let (calls, horizons, audit, schema) = (q("calls"), q("horizons"), q("audit"), q("schema"));
+        let now_ms = Self::DIALECT.now_ms;
+        match to {
+            // One transaction: `ADD COLUMN` has no `IF NOT EXISTS` here, and needs none.
+            2 => vec![
+                format!("ALTER TABLE {calls} ADD COLUMN updated_at INTEGER NOT NULL DEFAULT 0"),
+                format!("UPDATE {calls} SET updated_at = {now_ms} WHERE updated_at = 0"),
+                format!(
+                    "CREATE INDEX IF NOT EXISTS {} ON {calls} (updated_at)",
+                    q("calls_updated")
+                ),
+                format!(
+                    "CREATE TABLE IF NOT EXISTS {horizons} (
+    consumer     TEXT    NOT NULL PRIMARY KEY,
+    purged_until INTEGER NOT NULL
+) WITHOUT ROWID"
+                ),
+                format!(
+                    "CREATE TABLE IF NOT EXISTS {audit} (
+    id           INTEGER PRIMARY KEY AUTOINCREMENT,
+    consumer     TEXT    NOT NULL,
+    key_digest   TEXT    NOT NULL,
+    reason       TEXT    NOT NULL,
+    processed_at INTEGER,
+    forgotten_at INTEGER NOT NULL
+)"
+                ),
+                format!(
+                    "CREATE INDEX IF NOT EXISTS {} ON {audit} (forgotten_at)",
+                    q("audit_at")
+                ),
+                format!(
+                    "CREATE TABLE IF NOT EXISTS {schema} (
+    version     INTEGER NOT NULL PRIMARY KEY,
+    migrated_at INTEGER NOT NULL
+)"
+                ),
+            ],
+            _ => Vec::new(),
         }
-        tx.commit().await
+    }
+
+    async fn lock_migration(
+        conn: &mut SqliteConnection,
+        _table: &TableName,
+    ) -> Result<(), sqlx::Error> {
+        SqliteTransactionManager::begin(conn, Some("BEGIN IMMEDIATE".into_sql_str())).await
+    }
+
+    async fn unlock_migration(
+        conn: &mut SqliteConnection,
+        _table: &TableName,
+        commit: bool,
+    ) -> Result<(), sqlx::Error> {
+        if commit {
+            SqliteTransactionManager::commit(conn).await
+        } else {
+            SqliteTransactionManager::rollback(conn).await
+        }
+    }
+
+    async fn table_exists(conn: &mut SqliteConnection, name: &str) -> Result<bool, sqlx::Error> {
+        let found: i64 = sqlx::query_scalar(
+            "SELECT COUNT(*) FROM sqlite_master WHERE type = 'table' AND name = $1",
+        )
+        .bind(name)
+        .fetch_one(conn)
+        .await?;
+        Ok(found > 0)
     }
 
     async fn claim_batch(

@@ -1,0 +1,326 @@
+//! `idempotent`: look at and steer an idempotent-inbox from the shell, on PostgreSQL, SQLite or
+//! MySQL/MariaDB, by URL.
+//!
+//! ```text
+//! idempotent --url postgres://… migrate                  create or upgrade the tables
+//! idempotent --url postgres://… ddl [--from 1]           print the SQL instead (no connection)
+//! idempotent --url … stats                               rows, oldest row, horizon, calls per consumer
+//! idempotent --url … inspect --consumer orders --key order-7
+//! idempotent --url … inspect --consumer orders --since 2d --limit 50 [--after CURSOR]
+//! idempotent --url … stuck [--consumer orders]           pending calls whose lease ran out
+//! idempotent --url … forget --consumer orders --key order-7 --reason "…"
+//! idempotent --url … audit [--consumer orders]           messages forgotten on purpose
+//! idempotent --url … purge --retention 14d [--consumer-retention billing=30d] [--dry-run]
+//! ```
+//!
+//! Tables for people by default, `--json` for scripts. Exit status: 0, 1 on an error, 2 when the
+//! message to inspect or forget is not in the inbox.
+#![warn(missing_docs, unreachable_pub)]
+
+mod args;
+mod output;
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+use idempotent::sqlx::{self, MySql, Postgres, Sqlite};
+use idempotent::{Backend, Inbox, Listing, MessageKey, TableName};
+
+use crate::args::{ConsumerRetention, KeyPart, Time};
+use crate::output::Output;
+
+/// Look at and steer an idempotent inbox.
+#[derive(Parser, Debug)]
+#[command(name = "idempotent", version, about)]
+struct Cli {
+    /// The database: postgres://…, sqlite://path or sqlite::memory:, mysql://… (or mariadb://…).
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true, global = true)]
+    url: Option<String>,
+    /// The inbox table, as configured with `Inbox::with_table`.
+    #[arg(long, default_value = TableName::DEFAULT, global = true)]
+    table: String,
+    /// Print JSON instead of tables.
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Create the inbox's tables, or upgrade tables made by an older version.
+    Migrate,
+    /// Print the SQL that creates (or upgrades) the tables, for your own migrations; only the
+    /// URL's scheme is read, nothing connects.
+    Ddl {
+        /// The schema version the tables have now (0: none yet).
+        #[arg(long, default_value_t = 0)]
+        from: u32,
+    },
+    /// Rows, oldest row, purge horizon, pending and stuck calls, per consumer.
+    Stats,
+    /// One message's record (`--key`), or a consumer's records, oldest first, page by page.
+    Inspect {
+        /// The consumer.
+        #[arg(long)]
+        consumer: String,
+        #[command(flatten)]
+        key: KeyArgs,
+        /// Only records processed at or after this time (RFC 3339, or a duration ago: 2d, 36h).
+        #[arg(long)]
+        since: Option<Time>,
+        /// Only records processed before this time.
+        #[arg(long)]
+        until: Option<Time>,
+        /// The cursor the previous page printed.
+        #[arg(long)]
+        after: Option<idempotent::Cursor>,
+        /// Records per page.
+        #[arg(long, default_value_t = 100)]
+        limit: usize,
+    },
+    /// Calls to outside services still pending after their lease ran out.
+    Stuck {
+        /// Only this consumer's.
+        #[arg(long)]
+        consumer: Option<String>,
+        /// At most this many.
+        #[arg(long, default_value_t = 100)]
+        limit: usize,
+    },
+    /// Forget a message on purpose, so that its next delivery is processed again; writes an
+    /// audit row.
+    Forget {
+        /// The consumer.
+        #[arg(long)]
+        consumer: String,
+        #[command(flatten)]
+        key: KeyArgs,
+        /// Why: kept in the audit row.
+        #[arg(long)]
+        reason: String,
+    },
+    /// The messages forgotten on purpose, newest first.
+    Audit {
+        /// Only this consumer's.
+        #[arg(long)]
+        consumer: Option<String>,
+        /// At most this many.
+        #[arg(long, default_value_t = 100)]
+        limit: usize,
+    },
+    /// Delete expired rows, call records and audit rows (or, with --dry-run, count them).
+    Purge {
+        /// The retention your services run with (14d unless they configure another).
+        #[arg(long, value_parser = args::duration)]
+        retention: Duration,
+        /// A consumer's own retention: NAME=DURATION; repeat for several.
+        #[arg(long)]
+        consumer_retention: Vec<ConsumerRetention>,
+        /// Rows per transaction.
+        #[arg(long, default_value_t = 1000)]
+        batch_size: usize,
+        /// Count what would be deleted, delete nothing.
+        #[arg(long)]
+        dry_run: bool,
+    },
+}
+
+/// The message key, as its components.
+#[derive(clap::Args, Debug)]
+struct KeyArgs {
+    /// A key component: TEXT (a string), str:TEXT, uuid:UUID, int:N, bytes:HEX, or stored:HEX
+    /// (the stored key as `inspect` prints it). Repeat for a composite key, in order.
+    #[arg(long = "key")]
+    parts: Vec<KeyPart>,
+}
+
+impl KeyArgs {
+    fn key(&self) -> Result<Option<MessageKey>, String> {
+        args::message_key(&self.parts)
+    }
+}
+
+/// What went wrong, for the exit status.
+enum Failure {
+    /// The message is not in the inbox.
+    NotFound(String),
+    /// Anything else.
+    Error(Box<dyn std::error::Error>),
+}
+
+impl<E: std::error::Error + 'static> From<E> for Failure {
+    fn from(error: E) -> Self {
+        Failure::Error(Box::new(error))
+    }
+}
+
+fn fail(message: impl Into<String>) -> Failure {
+    Failure::Error(message.into().into())
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(Failure::NotFound(message)) => {
+            eprintln!("{message}");
+            ExitCode::from(2)
+        }
+        Err(Failure::Error(error)) => {
+            let mut message = format!("error: {error}");
+            let mut source = error.source();
+            while let Some(cause) = source {
+                message.push_str(&format!(": {cause}"));
+                source = cause.source();
+            }
+            eprintln!("{message}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The databases by URL scheme.
+enum Scheme {
+    Postgres,
+    Sqlite,
+    MySql,
+}
+
+fn scheme(url: &str) -> Result<Scheme, Failure> {
+    let scheme = url.split(':').next().unwrap_or_default();
+    match scheme {
+        "postgres" | "postgresql" => Ok(Scheme::Postgres),
+        "sqlite" => Ok(Scheme::Sqlite),
+        "mysql" | "mariadb" => Ok(Scheme::MySql),
+        _ => Err(fail(format!(
+            "unknown database in --url: {scheme:?}; use postgres://, sqlite:// or mysql://"
+        ))),
+    }
+}
+
+async fn run(cli: Cli) -> Result<(), Failure> {
+    let url = cli
+        .url
+        .clone()
+        .ok_or_else(|| fail("no database: pass --url or set DATABASE_URL"))?;
+    let table = TableName::new(&cli.table)?;
+    let out = Output { json: cli.json };
+    if let Command::Ddl { from } = cli.command {
+        let statements = match scheme(&url)? {
+            Scheme::Postgres => idempotent::schema::ddl::<Postgres>(&table, from),
+            Scheme::Sqlite => idempotent::schema::ddl::<Sqlite>(&table, from),
+            Scheme::MySql => idempotent::schema::ddl::<MySql>(&table, from),
+        };
+        out.ddl(&statements);
+        return Ok(());
+    }
+    match scheme(&url)? {
+        Scheme::Postgres => {
+            let pool = sqlx::postgres::PgPoolOptions::new()
+                .max_connections(2)
+                .connect(&url)
+                .await?;
+            command(Inbox::new(pool).with_table(&cli.table)?, cli.command, out).await
+        }
+        Scheme::Sqlite => {
+            let options = idempotent::sqlite::connect_options(&url)?;
+            let pool = sqlx::sqlite::SqlitePoolOptions::new()
+                .max_connections(2)
+                .connect_with(options)
+                .await?;
+            command(Inbox::new(pool).with_table(&cli.table)?, cli.command, out).await
+        }
+        Scheme::MySql => {
+            let url = url.replacen("mariadb:", "mysql:", 1);
+            let pool = sqlx::mysql::MySqlPoolOptions::new()
+                .max_connections(2)
+                .connect(&url)
+                .await?;
+            command(Inbox::new(pool).with_table(&cli.table)?, cli.command, out).await
+        }
+    }
+}
+
+async fn command<DB: Backend>(
+    inbox: Inbox<DB>,
+    command: Command,
+    out: Output,
+) -> Result<(), Failure> {
+    match command {
+        Command::Ddl { .. } => unreachable!("printed without a connection"),
+        Command::Migrate => out.migration(inbox.table(), inbox.migrate().await?),
+        Command::Stats => out.stats(&inbox.stats().await?),
+        Command::Inspect {
+            consumer,
+            key,
+            since,
+            until,
+            after,
+            limit,
+        } => match key.key().map_err(fail)? {
+            Some(key) => match inbox.inspect(&consumer, &key).await? {
+                Some(record) => out.record(&consumer, &record),
+                None => {
+                    return Err(Failure::NotFound(format!(
+                        "{consumer} has no record of the key {key}"
+                    )));
+                }
+            },
+            None => {
+                let mut listing = Listing::new().limit(limit);
+                if let Some(since) = since {
+                    listing = listing.since(since.0);
+                }
+                if let Some(until) = until {
+                    listing = listing.until(until.0);
+                }
+                if let Some(after) = after {
+                    listing = listing.after(after);
+                }
+                out.page(&consumer, &inbox.list(&consumer, listing).await?);
+            }
+        },
+        Command::Stuck { consumer, limit } => {
+            out.stuck(&inbox.stuck_calls(consumer.as_deref(), limit).await?)
+        }
+        Command::Forget {
+            consumer,
+            key,
+            reason,
+        } => {
+            let key = key
+                .key()
+                .map_err(fail)?
+                .ok_or_else(|| fail("name the message with --key"))?;
+            if !inbox.forget(&consumer, &key, &reason).await? {
+                return Err(Failure::NotFound(format!(
+                    "{consumer} has no record of the key {key}: nothing forgotten"
+                )));
+            }
+            out.forgotten(&consumer, &key);
+        }
+        Command::Audit { consumer, limit } => {
+            out.audit(&inbox.audit(consumer.as_deref(), limit).await?)
+        }
+        Command::Purge {
+            retention,
+            consumer_retention,
+            batch_size,
+            dry_run,
+        } => {
+            let mut inbox = inbox.with_retention(retention);
+            for ConsumerRetention(consumer, retention) in consumer_retention {
+                inbox = inbox.with_consumer_retention(&consumer, retention);
+            }
+            if dry_run {
+                out.preview(&inbox.purge_preview().await?);
+            } else {
+                out.purged(&inbox.purge_expired(batch_size).await?);
+            }
+        }
+    }
+    Ok(())
+}
