@@ -114,6 +114,8 @@
 //! - `sqlite` (default): the inbox on SQLite, compiled in.
 //! - `postgres`: the inbox on PostgreSQL.
 //! - `mysql`: the inbox on MySQL and MariaDB.
+//! - `http`: [`http`], a tower layer and axum extractors that make HTTP routes idempotent by
+//!   `Idempotency-Key` header, on the same inbox (PostgreSQL and SQLite).
 #![warn(missing_docs, unreachable_pub)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
@@ -153,6 +155,9 @@ pub use idempotent_runtime::{
     is_retryable, key, message_key,
 };
 
+#[cfg(feature = "http")]
+#[cfg_attr(docsrs, doc(cfg(feature = "http")))]
+pub use idempotent_runtime::http;
 #[cfg(feature = "mysql")]
 #[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
 pub use idempotent_runtime::mysql;

@@ -8,6 +8,9 @@
 mod batch;
 pub mod calls;
 mod error;
+#[cfg(feature = "http")]
+#[cfg_attr(docsrs, doc(cfg(feature = "http")))]
+pub mod http;
 mod inbox;
 pub mod key;
 mod markers;

@@ -51,6 +51,7 @@ pub struct Statements {
     pub(crate) call_read: Arc<str>,
     pub(crate) call_take_over: Arc<str>,
     pub(crate) call_complete: Arc<str>,
+    pub(crate) call_release: Arc<str>,
 }
 
 /// Numbers placeholders as the dialect wants them.
@@ -144,6 +145,12 @@ impl Statements {
                  WHERE {which} AND fence = {f} AND completed = FALSE"
             )
         };
+        let call_release = {
+            let mut p = p();
+            let which = call(&mut p);
+            let f = p.next();
+            format!("DELETE FROM {c} WHERE {which} AND fence = {f} AND completed = FALSE")
+        };
         Statements {
             dialect,
             table: t,
@@ -154,6 +161,7 @@ impl Statements {
             call_read: call_read.into(),
             call_take_over: call_take_over.into(),
             call_complete: call_complete.into(),
+            call_release: call_release.into(),
         }
     }
 
