@@ -98,7 +98,11 @@ mod tests {
                 mut self: Pin<&mut Self>,
                 _: &mut Context<'_>,
             ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
-                Poll::Ready(self.0.next().map(|c| Ok(Frame::data(Bytes::from_static(c)))))
+                Poll::Ready(
+                    self.0
+                        .next()
+                        .map(|c| Ok(Frame::data(Bytes::from_static(c)))),
+                )
             }
         }
         Body::new(Chunks(chunks.iter()))

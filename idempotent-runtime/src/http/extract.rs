@@ -35,7 +35,10 @@ impl<DB: HttpBackend> Slot<DB> {
     }
 
     fn put_back(&self, claimed: Claimed<DB>) {
-        *self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(claimed);
+        *self
+            .0
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(claimed);
     }
 }
 
@@ -99,15 +102,17 @@ impl<S: Send + Sync, DB: HttpBackend> FromRequestParts<S> for IdempotentTx<DB> {
     type Rejection = Rejection;
 
     async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Rejection> {
-        let slot = parts.extensions.get::<Slot<DB>>().cloned().ok_or(
-            Rejection::NoTransaction(
+        let slot = parts
+            .extensions
+            .get::<Slot<DB>>()
+            .cloned()
+            .ok_or(Rejection::NoTransaction(
                 "the route has no transactional idempotency layer for this database \
                  (IdempotencyLayer::transactional), or the request had no key",
-            ),
-        )?;
-        let claimed = slot.take().ok_or(Rejection::NoTransaction(
-            "the handler asked for it twice",
-        ))?;
+            ))?;
+        let claimed = slot
+            .take()
+            .ok_or(Rejection::NoTransaction("the handler asked for it twice"))?;
         Ok(Self {
             claimed: Some(claimed),
             slot,

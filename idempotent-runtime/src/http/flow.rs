@@ -218,7 +218,12 @@ impl<DB: HttpBackend> Run<DB> {
             }
         }
         tracing::debug!("claimed");
-        let slot = Slot::new(Claimed::new(tx, self.consumer(), self.key.clone(), self.inbox()));
+        let slot = Slot::new(Claimed::new(
+            tx,
+            self.consumer(),
+            self.key.clone(),
+            self.inbox(),
+        ));
         let (mut parts, body) = request.into_parts();
         parts.extensions.insert(slot.clone());
         let response = match inner.call(Request::from_parts(parts, body)).await {
@@ -338,9 +343,10 @@ impl<DB: HttpBackend> Run<DB> {
         };
         claimed.store_response(&stored.encode()).await?;
         let statements = &self.inbox().config.statements;
-        let released = DB::call_release(claimed.connection(), statements, lease.id(), lease.fence())
-            .await
-            .map_err(database_error(Stage::Call))?;
+        let released =
+            DB::call_release(claimed.connection(), statements, lease.id(), lease.fence())
+                .await
+                .map_err(database_error(Stage::Call))?;
         claimed.commit().await?;
         if !released {
             tracing::warn!(
@@ -425,4 +431,3 @@ fn reject(rejection: Rejection) -> Response {
     }
     rejection.into_response()
 }
-

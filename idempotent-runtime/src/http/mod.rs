@@ -127,10 +127,8 @@ pub use extract::{IdempotentTx, RequestKey};
 pub use fingerprint::Fingerprint;
 pub use layer::{
     DEFAULT_CONSUMER, DEFAULT_MAX_REQUEST_BODY, DEFAULT_MAX_STORED_BODY, DEFAULT_RETENTION,
-    Idempotent, IdempotencyLayer,
+    IdempotencyLayer, Idempotent,
 };
 pub use problem::Rejection;
 pub use request_key::{DEFAULT_MAX_KEY_LEN, IDEMPOTENCY_KEY, KeyRejection};
-pub use stored::{
-    BODY_OMITTED, DEFAULT_STORED_HEADERS, REPLAYED, StoredError, stored_by_default,
-};
+pub use stored::{BODY_OMITTED, DEFAULT_STORED_HEADERS, REPLAYED, StoredError, stored_by_default};

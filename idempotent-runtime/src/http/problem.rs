@@ -5,8 +5,8 @@ use std::time::Duration;
 
 use axum_core::body::Body;
 use axum_core::response::{IntoResponse, Response};
-use http::header::{self, HeaderValue};
 use http::StatusCode;
+use http::header::{self, HeaderValue};
 
 use super::request_key::KeyRejection;
 use super::stored::StoredError;

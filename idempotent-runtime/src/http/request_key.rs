@@ -32,7 +32,9 @@ pub enum KeyRejection {
     },
     /// The key holds a character other than visible ASCII (`!` to `~`): a space, a control
     /// character or a byte outside ASCII.
-    #[error("the Idempotency-Key holds a character other than visible ASCII at position {position}")]
+    #[error(
+        "the Idempotency-Key holds a character other than visible ASCII at position {position}"
+    )]
     Character {
         /// Where, counting from 0 (in the key, after unquoting).
         position: usize,
@@ -46,7 +48,10 @@ pub enum KeyRejection {
 /// The key of a request: `None` without the header. A value in quotes (the IETF draft's
 /// structured-field string, `Idempotency-Key: "8e03978e…"`) is unquoted; a bare one (Stripe's
 /// style) is taken as it is. Either way the key is 1 to `max_len` visible ASCII characters.
-pub(crate) fn read_key(headers: &HeaderMap, max_len: usize) -> Result<Option<String>, KeyRejection> {
+pub(crate) fn read_key(
+    headers: &HeaderMap,
+    max_len: usize,
+) -> Result<Option<String>, KeyRejection> {
     let mut values = headers.get_all(IDEMPOTENCY_KEY).iter();
     let Some(value) = values.next() else {
         return Ok(None);
@@ -152,7 +157,10 @@ mod tests {
         let b = scoped_key("client-b", "k").unwrap();
         assert_ne!(a, b);
         // No splitting of one string into scope and key gives another pair's key.
-        assert_ne!(scoped_key("ab", "c").unwrap(), scoped_key("a", "bc").unwrap());
+        assert_ne!(
+            scoped_key("ab", "c").unwrap(),
+            scoped_key("a", "bc").unwrap()
+        );
         assert!(scoped_key("", "k").is_err());
     }
 }

@@ -153,7 +153,8 @@ impl StoredResponse {
         let mut headers = Vec::with_capacity(usize::from(count).min(64));
         for _ in 0..count {
             let len = usize::from(input.u16()?);
-            let name = HeaderName::from_bytes(input.take(len)?).map_err(|_| StoredError::Damaged)?;
+            let name =
+                HeaderName::from_bytes(input.take(len)?).map_err(|_| StoredError::Damaged)?;
             let len = usize::try_from(input.u32()?).map_err(|_| StoredError::Damaged)?;
             let value =
                 HeaderValue::from_bytes(input.take(len)?).map_err(|_| StoredError::Damaged)?;
@@ -256,13 +257,19 @@ mod tests {
         let mut longer = encoded.clone();
         longer.push(0);
         assert_eq!(StoredResponse::decode(&longer), Err(StoredError::Damaged));
-        assert_eq!(StoredResponse::decode(b"\"json\""), Err(StoredError::NotHttp));
+        assert_eq!(
+            StoredResponse::decode(b"\"json\""),
+            Err(StoredError::NotHttp)
+        );
         let mut newer = encoded.clone();
         newer[MAGIC.len()] = 9;
         assert_eq!(StoredResponse::decode(&newer), Err(StoredError::Version(9)));
         let mut bad_status = encoded;
         bad_status[MAGIC.len() + 1..MAGIC.len() + 3].copy_from_slice(&1000u16.to_be_bytes());
-        assert_eq!(StoredResponse::decode(&bad_status), Err(StoredError::Damaged));
+        assert_eq!(
+            StoredResponse::decode(&bad_status),
+            Err(StoredError::Damaged)
+        );
         // A huge length is refused before anything is allocated for it.
         let mut huge = sample(None).encode();
         let at = huge.len() - 8;
@@ -284,10 +291,16 @@ mod tests {
     #[test]
     fn server_errors_and_throttling_are_not_stored_by_default() {
         for status in [200, 201, 204, 303, 400, 404, 409, 422] {
-            assert!(stored_by_default(StatusCode::from_u16(status).unwrap()), "{status}");
+            assert!(
+                stored_by_default(StatusCode::from_u16(status).unwrap()),
+                "{status}"
+            );
         }
         for status in [100, 408, 429, 500, 502, 503] {
-            assert!(!stored_by_default(StatusCode::from_u16(status).unwrap()), "{status}");
+            assert!(
+                !stored_by_default(StatusCode::from_u16(status).unwrap()),
+                "{status}"
+            );
         }
     }
 }

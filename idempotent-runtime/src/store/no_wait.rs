@@ -79,7 +79,11 @@ mod postgres {
     fn lock_of(statements: &Statements, consumer: &str, key: &[u8]) -> i64 {
         let mut digest = Sha256::new();
         digest.update(b"idempotent-http-claim");
-        for part in [statements.table_sql("{t}").as_bytes(), consumer.as_bytes(), key] {
+        for part in [
+            statements.table_sql("{t}").as_bytes(),
+            consumer.as_bytes(),
+            key,
+        ] {
             digest.update((part.len() as u64).to_be_bytes());
             digest.update(part);
         }
@@ -142,7 +146,8 @@ mod sqlite {
             fingerprint: &[u8],
         ) -> Result<Attempt, sqlx::Error> {
             // The transaction holds the write lock: nothing else can be claiming.
-            let inserted = Self::insert_key(conn, statements, consumer, key, Some(fingerprint)).await?;
+            let inserted =
+                Self::insert_key(conn, statements, consumer, key, Some(fingerprint)).await?;
             Ok(if inserted {
                 Attempt::Claimed
             } else {

@@ -1,0 +1,1015 @@
+//! The HTTP layer for real: an axum server on loopback, reqwest as the client, on PostgreSQL
+//! (`IDEMPOTENT_PG_URL`, a fresh schema per test) and SQLite (a fresh file per test). Every test
+//! counts the effects in the database, not only the status codes.
+//!
+//! Two routes, each behind its own layer on one inbox: `/payments` is transactional (the handler
+//! writes its effect in the claimed transaction), `/emails` is leased (the handler writes its
+//! effect on its own, as an outside service would). The request's JSON says what the handler
+//! does: sleep, hang, answer with some status, a long or a streamed body.
+#![cfg(all(feature = "http", feature = "postgres", feature = "sqlite"))]
+
+mod support;
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{HeaderMap, header};
+use axum::response::Response;
+use axum::routing::post;
+use idempotent::http::{IdempotencyLayer, RequestKey};
+use serde::Deserialize;
+use serde_json::{Value, json};
+use tokio::sync::Notify;
+
+/// What the handler does, sent as the request's body (so it is part of the fingerprint).
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+struct Order {
+    label: String,
+    /// Sleeps this long after writing its effect (before it, on `/emails`).
+    sleep_ms: u64,
+    /// On its first run for this label: signals, then never answers (after writing its effect on
+    /// `/payments`, before it on `/emails`).
+    hang_first: bool,
+    /// Answers with this status (201 by default).
+    status: Option<u16>,
+    /// Answers 500 on its first run for this label.
+    fail_first: bool,
+    /// Pads the JSON answer with this many bytes.
+    pad: usize,
+    /// Streams this many chunks of 512 bytes instead of a JSON answer.
+    chunks: usize,
+}
+
+/// What the test sees of the server's handlers, whichever server runs them.
+#[derive(Default)]
+struct Seen {
+    /// Handler runs per label.
+    runs: Mutex<HashMap<String, u64>>,
+    /// A hanging handler has started.
+    hanging: Notify,
+}
+
+impl Seen {
+    fn run(&self, label: &str) -> u64 {
+        let mut runs = self.runs.lock().unwrap();
+        let run = runs.entry(label.to_owned()).or_default();
+        *run += 1;
+        *run
+    }
+
+    fn runs(&self, label: &str) -> u64 {
+        self.runs.lock().unwrap().get(label).copied().unwrap_or(0)
+    }
+}
+
+/// How the test configures the layers.
+#[derive(Clone)]
+struct Setup {
+    lease: Duration,
+    max_stored_body: usize,
+}
+
+impl Default for Setup {
+    fn default() -> Self {
+        Self {
+            lease: Duration::from_secs(30),
+            max_stored_body: idempotent::http::DEFAULT_MAX_STORED_BODY,
+        }
+    }
+}
+
+/// The client is named by the `x-client` header.
+fn scope(parts: &axum::http::request::Parts) -> Option<String> {
+    parts
+        .headers
+        .get("x-client")
+        .and_then(|value| value.to_str().ok())
+        .map(str::to_owned)
+}
+
+/// The answer of a handler that ran, after its effect: what the order asks for.
+async fn answer(order: &Order, run: u64) -> Response {
+    tokio::time::sleep(Duration::from_millis(order.sleep_ms)).await;
+    let status = if order.fail_first && run == 1 {
+        500
+    } else {
+        order.status.unwrap_or(201)
+    };
+    let builder = Response::builder()
+        .status(status)
+        .header(header::LOCATION, format!("/payments/{}", order.label))
+        .header(header::SET_COOKIE, "session=first-exchange-only");
+    if order.chunks > 0 {
+        let chunks = (0..order.chunks).map(|_| Ok::<_, std::io::Error>(vec![b'x'; 512]));
+        let stream = futures::StreamExt::then(futures::stream::iter(chunks), |chunk| async {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            chunk
+        });
+        return builder
+            .header(header::CONTENT_TYPE, "application/octet-stream")
+            .body(Body::from_stream(stream))
+            .unwrap();
+    }
+    let body = json!({ "label": order.label, "run": run, "pad": "x".repeat(order.pad) });
+    builder
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Body::from(body.to_string()))
+        .unwrap()
+}
+
+/// The app on one backend: its routes and handlers, and how its effects are counted.
+macro_rules! app_for {
+    ($db:ty) => {
+        use super::*;
+        use idempotent::http::IdempotentTx;
+
+        #[derive(Clone)]
+        pub struct App {
+            pool: sqlx::Pool<$db>,
+            seen: Arc<Seen>,
+        }
+
+        const INSERT: &str = "INSERT INTO effects (consumer, label) VALUES ($1, $2)";
+
+        pub fn router(pool: sqlx::Pool<$db>, seen: Arc<Seen>, setup: &Setup) -> Router {
+            let inbox = idempotent::Inbox::new(pool.clone());
+            let payments = IdempotencyLayer::transactional(inbox.clone(), scope)
+                .max_stored_body(setup.max_stored_body);
+            let emails = IdempotencyLayer::leased(inbox, scope, setup.lease)
+                .unwrap()
+                .max_stored_body(setup.max_stored_body);
+            Router::new()
+                .route("/payments", post(payments_handler).layer(payments))
+                .route("/emails", post(emails_handler).layer(emails))
+                .with_state(App { pool, seen })
+        }
+
+        /// Writes its effect in the claimed transaction.
+        async fn payments_handler(
+            State(app): State<App>,
+            _key: RequestKey,
+            mut tx: IdempotentTx<$db>,
+            axum::Json(order): axum::Json<Order>,
+        ) -> Response {
+            let run = app.seen.run(&order.label);
+            sqlx::query(INSERT)
+                .bind("payments")
+                .bind(&order.label)
+                .execute(tx.connection())
+                .await
+                .unwrap();
+            if order.hang_first && run == 1 {
+                app.seen.hanging.notify_one();
+                std::future::pending::<()>().await;
+            }
+            answer(&order, run).await
+        }
+
+        /// Writes its effect on its own, as an outside service would, when it succeeds.
+        async fn emails_handler(
+            State(app): State<App>,
+            axum::Json(order): axum::Json<Order>,
+        ) -> Response {
+            let run = app.seen.run(&order.label);
+            if order.hang_first && run == 1 {
+                app.seen.hanging.notify_one();
+                std::future::pending::<()>().await;
+            }
+            let response = answer(&order, run).await;
+            if response.status().is_success() {
+                sqlx::query(INSERT)
+                    .bind("emails")
+                    .bind(&order.label)
+                    .execute(&app.pool)
+                    .await
+                    .unwrap();
+            }
+            response
+        }
+    };
+}
+
+mod pg_app {
+    app_for!(sqlx::Postgres);
+}
+
+mod sqlite_app {
+    app_for!(sqlx::Sqlite);
+}
+
+/// A server on its own runtime, so that a test can kill it mid-request, tasks and all.
+struct Server {
+    addr: SocketAddr,
+    runtime: Option<tokio::runtime::Runtime>,
+}
+
+impl Server {
+    /// Starts the router `make` builds (on the server's runtime, so that its pool is the server's
+    /// own) on 127.0.0.1 and a free port.
+    fn start<F, Fut>(make: F) -> Server
+    where
+        F: FnOnce() -> Fut + Send + 'static,
+        Fut: Future<Output = Router> + Send + 'static,
+    {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let (ready, addr) = std::sync::mpsc::channel();
+        runtime.spawn(async move {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            ready.send(listener.local_addr().unwrap()).unwrap();
+            axum::serve(listener, make().await).await.unwrap();
+        });
+        Server {
+            addr: addr.recv().unwrap(),
+            runtime: Some(runtime),
+        }
+    }
+
+    /// Kills the server at once: every task is dropped where it is, its connections closed.
+    fn kill(mut self) {
+        if let Some(runtime) = self.runtime.take() {
+            runtime.shutdown_background();
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(runtime) = self.runtime.take() {
+            runtime.shutdown_background();
+        }
+    }
+}
+
+/// An answer, as the client saw it.
+struct Reply {
+    status: u16,
+    headers: HeaderMap,
+    body: Vec<u8>,
+    elapsed: Duration,
+}
+
+impl std::fmt::Debug for Reply {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let body = String::from_utf8_lossy(&self.body);
+        f.debug_struct("Reply")
+            .field("status", &self.status)
+            .field("headers", &self.headers)
+            .field("body", &body.chars().take(300).collect::<String>())
+            .field("elapsed", &self.elapsed)
+            .finish()
+    }
+}
+
+impl Reply {
+    fn replayed(&self) -> bool {
+        self.headers
+            .get("idempotent-replayed")
+            .is_some_and(|v| v == "true")
+    }
+
+    fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).unwrap_or(Value::Null)
+    }
+
+    /// The problem's `code`, for the layer's own answers.
+    fn code(&self) -> String {
+        self.json()["code"].as_str().unwrap_or_default().to_owned()
+    }
+
+    /// Which run of the handler made this answer.
+    fn run(&self) -> u64 {
+        self.json()["run"].as_u64().unwrap_or(0)
+    }
+
+    fn retry_after(&self) -> Option<u64> {
+        self.headers
+            .get(header::RETRY_AFTER)
+            .and_then(|v| v.to_str().ok()?.parse().ok())
+    }
+}
+
+/// A request to send.
+struct Call {
+    route: String,
+    client: Option<String>,
+    keys: Vec<Vec<u8>>,
+    order: Value,
+    timeout: Option<Duration>,
+}
+
+impl Call {
+    fn new(route: &str, key: &str, order: Value) -> Self {
+        Self {
+            route: route.to_owned(),
+            client: Some("client-a".to_owned()),
+            keys: vec![key.as_bytes().to_vec()],
+            order,
+            timeout: None,
+        }
+    }
+
+    fn client(self, client: Option<&str>) -> Self {
+        Self {
+            client: client.map(str::to_owned),
+            ..self
+        }
+    }
+
+    fn keys(self, keys: &[&[u8]]) -> Self {
+        Self {
+            keys: keys.iter().map(|key| key.to_vec()).collect(),
+            ..self
+        }
+    }
+
+    fn timeout(self, timeout: Duration) -> Self {
+        Self {
+            timeout: Some(timeout),
+            ..self
+        }
+    }
+}
+
+/// One backend: a fresh database, the server(s) on it, and a client.
+trait Backend: Sized + Send + Sync + 'static {
+    async fn fresh() -> Self;
+
+    /// Starts a server of the app on this database, with its own pool and layers.
+    fn serve(&self, seen: Arc<Seen>, setup: Setup) -> Server;
+
+    /// The committed effects of `route` ("payments", "emails") for `label`.
+    async fn effects(&self, route: &str, label: &str) -> i64;
+
+    /// Moves the layers' stored responses `by` into the past.
+    async fn backdate_http(&self, by: Duration);
+
+    /// Runs the purge of a layer's inbox on this database; the rows it deleted.
+    async fn purge(&self) -> u64;
+}
+
+macro_rules! backend_for {
+    ($name:ident, $harness:ty, $app:ident, $pool_options:ty) => {
+        struct $name($harness);
+
+        impl Backend for $name {
+            async fn fresh() -> Self {
+                Self(<$harness>::new().await)
+            }
+
+            fn serve(&self, seen: Arc<Seen>, setup: Setup) -> Server {
+                let options = self.0.pool.connect_options().as_ref().clone();
+                Server::start(move || async move {
+                    let pool = <$pool_options>::new()
+                        .max_connections(16)
+                        .connect_with(options)
+                        .await
+                        .unwrap();
+                    $app::router(pool, seen, &setup)
+                })
+            }
+
+            async fn effects(&self, route: &str, label: &str) -> i64 {
+                use support::Harness;
+                self.0.effects_of(route, label).await
+            }
+
+            async fn backdate_http(&self, by: Duration) {
+                use support::Harness;
+                self.0
+                    .backdate(idempotent::http::DEFAULT_CONSUMER, by)
+                    .await
+            }
+
+            async fn purge(&self) -> u64 {
+                let layer = IdempotencyLayer::transactional(self.0.inbox.clone(), scope);
+                layer.inbox().purge_expired(100).await.unwrap().deleted
+            }
+        }
+    };
+}
+
+backend_for!(
+    Pg,
+    support::postgres::PgHarness,
+    pg_app,
+    sqlx::postgres::PgPoolOptions
+);
+backend_for!(
+    Lite,
+    support::sqlite::SqliteHarness,
+    sqlite_app,
+    sqlx::sqlite::SqlitePoolOptions
+);
+
+/// A backend with a server on it, and the client.
+struct Api<B: Backend> {
+    db: B,
+    server: Server,
+    seen: Arc<Seen>,
+    setup: Setup,
+    client: reqwest::Client,
+}
+
+impl<B: Backend> Api<B> {
+    async fn start(setup: Setup) -> Self {
+        let db = B::fresh().await;
+        let seen = Arc::new(Seen::default());
+        let server = db.serve(seen.clone(), setup.clone());
+        Self {
+            db,
+            server,
+            seen,
+            setup,
+            client: reqwest::Client::new(),
+        }
+    }
+
+    /// Another server of the app on the same database: another instance, with layers of its own.
+    fn another_instance(&self) -> Server {
+        self.db.serve(self.seen.clone(), self.setup.clone())
+    }
+
+    /// Kills the server (mid-request, if it has one) and starts a new one on the same database.
+    fn kill_and_restart(&mut self) {
+        let restarted = self.another_instance();
+        let killed = std::mem::replace(&mut self.server, restarted);
+        killed.kill();
+    }
+
+    /// Sends `call`, whose handler hangs, and returns once it hangs (the client gives up on it).
+    async fn until_hanging(&self, call: Call) {
+        tokio::select! {
+            reply = self.send(call) => panic!("the handler was to hang: {reply:?}"),
+            () = self.seen.hanging.notified() => {}
+        }
+    }
+
+    /// Waits until the handler has run `runs` times for `label`.
+    async fn until_runs(&self, label: &str, runs: u64) {
+        for _ in 0..500 {
+            if self.seen.runs(label) >= runs {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("the handler never ran for {label}");
+    }
+
+    async fn send(&self, call: Call) -> Result<Reply, reqwest::Error> {
+        self.send_to(&self.server, call).await
+    }
+
+    async fn send_to(&self, server: &Server, call: Call) -> Result<Reply, reqwest::Error> {
+        let mut request = self
+            .client
+            .post(format!("http://{}{}", server.addr, call.route))
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(call.order.to_string());
+        if let Some(client) = call.client {
+            request = request.header("x-client", client);
+        }
+        for key in call.keys {
+            request = request.header(
+                "idempotency-key",
+                reqwest::header::HeaderValue::from_bytes(&key).unwrap(),
+            );
+        }
+        if let Some(timeout) = call.timeout {
+            request = request.timeout(timeout);
+        }
+        let started = Instant::now();
+        let response = request.send().await?;
+        let status = response.status().as_u16();
+        let headers = response.headers().clone();
+        let body = response.bytes().await?.to_vec();
+        Ok(Reply {
+            status,
+            headers,
+            body,
+            elapsed: started.elapsed(),
+        })
+    }
+
+    /// Sends `call` until it is no longer refused as in flight (at most `patience`).
+    async fn settle(&self, call: impl Fn() -> Call, patience: Duration) -> Reply {
+        let deadline = Instant::now() + patience;
+        loop {
+            let reply = self.send(call()).await.unwrap();
+            if reply.status != 409 || Instant::now() > deadline {
+                return reply;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+const ROUTES: [(&str, &str); 2] = [("/payments", "payments"), ("/emails", "emails")];
+
+/// A client that gives up mid-request (its timeout drops the connection) and retries: the first
+/// request is finished and stored all the same, and the retry gets its replay. One effect.
+async fn a_retry_after_the_client_gave_up_gets_one_effect<B: Backend>() {
+    let api = Api::<B>::start(Setup::default()).await;
+    for (route, effect) in ROUTES {
+        let key = format!("k-gave-up-{effect}");
+        let order = json!({ "label": "gave-up", "sleep_ms": 600 });
+        let first = api
+            .send(Call::new(route, &key, order.clone()).timeout(Duration::from_millis(150)))
+            .await;
+        assert!(first.unwrap_err().is_timeout(), "{route}");
+        let retry = api
+            .settle(
+                || Call::new(route, &key, order.clone()),
+                Duration::from_secs(5),
+            )
+            .await;
+        assert_eq!(retry.status, 201, "{route}: {retry:?}");
+        assert!(retry.replayed(), "{route}: the first request's response");
+        assert_eq!(retry.run(), 1, "{route}");
+        assert_eq!(api.db.effects(effect, "gave-up").await, 1, "{route}");
+        api.seen.runs.lock().unwrap().clear();
+    }
+}
+
+/// 50 requests with one key at the same moment, spread over two instances of the server (each
+/// with its own layer): one runs, the others are refused at once (409) or, once it finished, get
+/// its replay. (On SQLite a transactional twin on the other instance waits for the write lock,
+/// then replays: see `a_transactional_twin_on_another_instance_waits_for_the_write_lock_then_replays`.)
+/// One effect.
+async fn fifty_concurrent_requests_with_one_key_have_one_effect<B: Backend>() {
+    let api = Api::<B>::start(Setup::default()).await;
+    let other = api.another_instance();
+    for (route, effect) in ROUTES {
+        let label = format!("fifty-{effect}");
+        let order = json!({ "label": label, "sleep_ms": 800 });
+        let key = format!("k-fifty-{effect}");
+        let calls = (0..50).map(|i| {
+            let server = if i % 2 == 0 { &api.server } else { &other };
+            api.send_to(server, Call::new(route, &key, order.clone()))
+        });
+        let replies: Vec<Reply> = futures::future::join_all(calls)
+            .await
+            .into_iter()
+            .map(Result::unwrap)
+            .collect();
+        let ran: Vec<_> = replies
+            .iter()
+            .filter(|r| r.status == 201 && !r.replayed())
+            .collect();
+        assert_eq!(ran.len(), 1, "{route}: {replies:?}");
+        for reply in &replies {
+            match reply.status {
+                201 => assert_eq!(reply.run(), 1, "{route}"),
+                409 => {
+                    assert_eq!(reply.code(), "idempotency_key_in_use");
+                    assert!(reply.retry_after().is_some());
+                    assert!(
+                        reply.elapsed < Duration::from_millis(600),
+                        "{route}: a 409 must not wait for the first request ({:?})",
+                        reply.elapsed
+                    );
+                }
+                other => panic!("{route}: unexpected {other}: {reply:?}"),
+            }
+        }
+        assert_eq!(api.db.effects(effect, &label).await, 1, "{route}");
+        assert_eq!(api.seen.runs(&label), 1, "{route}");
+    }
+}
+
+/// A key reused for another request is a 422, on the same route and on another: the handler does
+/// not run and nothing is replayed.
+async fn a_key_reused_for_another_request_is_422<B: Backend>() {
+    let api = Api::<B>::start(Setup::default()).await;
+    let first = api
+        .send(Call::new(
+            "/payments",
+            "k-reused",
+            json!({ "label": "reused-a" }),
+        ))
+        .await
+        .unwrap();
+    assert_eq!(first.status, 201);
+    for (route, label) in [("/payments", "reused-b"), ("/emails", "reused-a")] {
+        let reply = api
+            .send(Call::new(route, "k-reused", json!({ "label": label })))
+            .await
+            .unwrap();
+        assert_eq!(reply.status, 422, "{route}: {reply:?}");
+        assert_eq!(reply.code(), "idempotency_key_reused");
+        assert_eq!(
+            reply.headers[header::CONTENT_TYPE],
+            "application/problem+json"
+        );
+    }
+    assert_eq!(api.db.effects("payments", "reused-a").await, 1);
+    assert_eq!(api.db.effects("payments", "reused-b").await, 0);
+    assert_eq!(api.db.effects("emails", "reused-a").await, 0);
+    assert_eq!(api.seen.runs("reused-b"), 0);
+}
+
+/// Two clients that happen to send the same key make two effects, and each one's retry gets its
+/// own response, never the other's.
+async fn two_clients_with_one_key_get_two_effects<B: Backend>() {
+    let api = Api::<B>::start(Setup::default()).await;
+    for (route, effect) in ROUTES {
+        let label = format!("shared-{effect}");
+        let order = json!({ "label": label });
+        let key = format!("k-shared-{effect}");
+        let mut runs = Vec::new();
+        for client in ["client-a", "client-b"] {
+            let reply = api
+                .send(Call::new(route, &key, order.clone()).client(Some(client)))
+                .await
+                .unwrap();
+            assert_eq!(reply.status, 201, "{route} {client}");
+            assert!(
+                !reply.replayed(),
+                "{route} {client}: no cross-client replay"
+            );
+            runs.push(reply.run());
+        }
+        assert_eq!(runs, [1, 2], "{route}");
+        for (client, run) in [("client-a", 1), ("client-b", 2)] {
+            let retry = api
+                .send(Call::new(route, &key, order.clone()).client(Some(client)))
+                .await
+                .unwrap();
+            assert!(retry.replayed(), "{route} {client}");
+            assert_eq!(retry.run(), run, "{route} {client}: its own response");
+        }
+        assert_eq!(api.db.effects(effect, &label).await, 2, "{route}");
+    }
+}
+
+/// Requests without a usable key, or without a client, are 400 problems; a quoted key is the same
+/// key as the bare one.
+async fn requests_without_a_usable_key_are_400<B: Backend>() {
+    let api = Api::<B>::start(Setup::default()).await;
+    let order = || json!({ "label": "bad-key" });
+    let long = "k".repeat(256);
+    let cases = [
+        (
+            Call::new("/payments", "", order()).keys(&[]),
+            "idempotency_key_missing",
+        ),
+        (
+            Call::new("/payments", &long, order()),
+            "idempotency_key_invalid",
+        ),
+        (
+            Call::new("/payments", "two words", order()),
+            "idempotency_key_invalid",
+        ),
+        (
+            Call::new("/payments", "", order()).keys(&[b"a", b"b"]),
+            "idempotency_key_invalid",
+        ),
+        (
+            Call::new("/payments", "\"unclosed", order()),
+            "idempotency_key_invalid",
+        ),
+        (
+            Call::new("/emails", "k-anonymous", order()).client(None),
+            "idempotency_scope_missing",
+        ),
+    ];
+    for (call, code) in cases {
+        let reply = api.send(call).await.unwrap();
+        assert_eq!(reply.status, 400, "{code}: {reply:?}");
+        assert_eq!(reply.code(), code);
+        assert_eq!(
+            reply.headers[header::CONTENT_TYPE],
+            "application/problem+json"
+        );
+    }
+    assert_eq!(api.db.effects("payments", "bad-key").await, 0);
+    assert_eq!(api.seen.runs("bad-key"), 0);
+
+    let bare = api
+        .send(Call::new(
+            "/payments",
+            "k-quoted",
+            json!({ "label": "quoted" }),
+        ))
+        .await
+        .unwrap();
+    let quoted = api
+        .send(Call::new(
+            "/payments",
+            "\"k-quoted\"",
+            json!({ "label": "quoted" }),
+        ))
+        .await
+        .unwrap();
+    assert_eq!((bare.status, quoted.status), (201, 201));
+    assert!(quoted.replayed());
+    assert_eq!(api.db.effects("payments", "quoted").await, 1);
+}
+
+/// A 5xx is not stored, so the retry runs again (on `/payments` the failed run's effect rolled
+/// back with it); a 4xx is stored and replayed, with the headers that matter and not the others.
+async fn server_errors_run_again_and_client_errors_are_replayed<B: Backend>() {
+    let api = Api::<B>::start(Setup::default()).await;
+    for (route, effect) in ROUTES {
+        let label = format!("fails-once-{effect}");
+        let order = json!({ "label": label, "fail_first": true });
+        let first = api
+            .send(Call::new(route, &label, order.clone()))
+            .await
+            .unwrap();
+        assert_eq!(first.status, 500, "{route}");
+        assert_eq!(api.db.effects(effect, &label).await, 0, "{route}");
+        // At once: nothing in flight, nothing stored.
+        let retry = api
+            .send(Call::new(route, &label, order.clone()))
+            .await
+            .unwrap();
+        assert_eq!(
+            (retry.status, retry.replayed(), retry.run()),
+            (201, false, 2),
+            "{route}"
+        );
+        assert_eq!(api.db.effects(effect, &label).await, 1, "{route}");
+
+        let label = format!("invalid-{effect}");
+        let order = json!({ "label": label, "status": 400 });
+        let first = api
+            .send(Call::new(route, &label, order.clone()))
+            .await
+            .unwrap();
+        let retry = api
+            .send(Call::new(route, &label, order.clone()))
+            .await
+            .unwrap();
+        assert_eq!((first.status, first.replayed()), (400, false), "{route}");
+        assert_eq!((retry.status, retry.replayed()), (400, true), "{route}");
+        assert_eq!(retry.body, first.body, "{route}");
+        assert_eq!(
+            retry.headers[header::LOCATION],
+            format!("/payments/{label}")
+        );
+        assert_eq!(retry.headers[header::CONTENT_TYPE], "application/json");
+        assert!(first.headers.contains_key(header::SET_COOKIE));
+        assert!(!retry.headers.contains_key(header::SET_COOKIE), "{route}");
+        assert_eq!(api.seen.runs(&label), 1, "{route}");
+    }
+    // `/payments` wrote its effect before answering 400, and the 400 was stored: it committed.
+    assert_eq!(api.db.effects("payments", "invalid-payments").await, 1);
+}
+
+/// A response body longer than the layer stores, whole or streamed, reaches the client in full;
+/// its replay has the status and headers, no body, and says so. A streamed body within the limit
+/// is stored whole.
+async fn long_and_streamed_responses_are_passed_on_and_replayed_without_their_body<B: Backend>() {
+    let setup = Setup {
+        max_stored_body: 1024,
+        ..Setup::default()
+    };
+    let api = Api::<B>::start(setup).await;
+    for (route, effect) in ROUTES {
+        for (label, order, length) in [
+            ("long", json!({ "label": "long", "pad": 4000 }), None),
+            (
+                "streamed",
+                json!({ "label": "streamed", "chunks": 8 }),
+                Some(4096),
+            ),
+        ] {
+            let key = format!("k-{label}-{effect}");
+            let call = || Call::new(route, &key, order.clone());
+            let first = api.send(call()).await.unwrap();
+            assert_eq!(first.status, 201, "{route} {label}");
+            assert!(
+                first.body.len() > 1024,
+                "{route} {label}: the client gets it all"
+            );
+            if let Some(length) = length {
+                assert_eq!(first.body.len(), length);
+            }
+            let replay = api.send(call()).await.unwrap();
+            assert_eq!(
+                (replay.status, replay.replayed()),
+                (201, true),
+                "{route} {label}"
+            );
+            assert_eq!(replay.headers["idempotent-body-omitted"], "true");
+            assert!(replay.body.is_empty(), "{route} {label}");
+            assert_eq!(
+                replay.headers[header::LOCATION],
+                format!("/payments/{label}")
+            );
+            assert_eq!(api.db.effects(effect, label).await, 1, "{route} {label}");
+        }
+        let order = json!({ "label": "short-stream", "chunks": 1 });
+        let key = format!("k-short-stream-{effect}");
+        let first = api
+            .send(Call::new(route, &key, order.clone()))
+            .await
+            .unwrap();
+        let replay = api.send(Call::new(route, &key, order)).await.unwrap();
+        assert!(replay.replayed(), "{route}");
+        assert!(!replay.headers.contains_key("idempotent-body-omitted"));
+        assert_eq!(replay.body, first.body, "{route}");
+        assert_eq!(replay.body.len(), 512);
+        api.seen.runs.lock().unwrap().clear();
+    }
+}
+
+/// Stored responses expire through the inbox's purge (24 hours): after it, the key runs again.
+async fn stored_responses_expire_through_the_purge<B: Backend>() {
+    let api = Api::<B>::start(Setup::default()).await;
+    let call = || Call::new("/payments", "k-expires", json!({ "label": "expires" }));
+    assert_eq!(api.send(call()).await.unwrap().status, 201);
+    assert!(api.send(call()).await.unwrap().replayed());
+    assert_eq!(api.db.purge().await, 0, "kept for 24 hours");
+    api.db
+        .backdate_http(Duration::from_secs(25 * 60 * 60))
+        .await;
+    assert_eq!(api.db.purge().await, 1);
+    let again = api.send(call()).await.unwrap();
+    assert_eq!(
+        (again.status, again.replayed(), again.run()),
+        (201, false, 2)
+    );
+    assert_eq!(api.db.effects("payments", "expires").await, 2);
+}
+
+/// A server killed while a transactional request's handler runs (its effect written, not yet
+/// committed): the transaction rolls back with the killed server's connections, and the retry on
+/// a new server runs the handler once. One effect.
+async fn a_killed_server_leaves_a_transactional_key_free<B: Backend>() {
+    let mut api = Api::<B>::start(Setup::default()).await;
+    let order = json!({ "label": "killed", "hang_first": true });
+    let call = || Call::new("/payments", "k-killed", order.clone());
+    api.until_hanging(call()).await;
+    api.kill_and_restart();
+    let retry = api.settle(call, Duration::from_secs(5)).await;
+    assert_eq!(
+        (retry.status, retry.replayed(), retry.run()),
+        (201, false, 2),
+        "{retry:?}"
+    );
+    assert_eq!(api.db.effects("payments", "killed").await, 1);
+    let again = api.send(call()).await.unwrap();
+    assert_eq!((again.replayed(), again.run()), (true, 2));
+}
+
+/// A server killed while a leased request's handler runs: the key stays pending (409, with the
+/// rest of the lease) until the lease runs out; then the retry on a new server runs the handler
+/// once. One effect.
+async fn a_killed_server_leaves_a_leased_key_pending_until_its_lease_runs_out<B: Backend>() {
+    let lease = Duration::from_secs(2);
+    let mut api = Api::<B>::start(Setup {
+        lease,
+        ..Setup::default()
+    })
+    .await;
+    let order = json!({ "label": "killed", "hang_first": true });
+    let call = || Call::new("/emails", "k-killed", order.clone());
+    api.until_hanging(call()).await;
+    let killed_at = Instant::now();
+    api.kill_and_restart();
+    let pending = api.send(call()).await.unwrap();
+    assert_eq!(pending.status, 409, "{pending:?}");
+    assert!(matches!(pending.retry_after(), Some(1..=2)), "{pending:?}");
+    let retry = api.settle(call, Duration::from_secs(10)).await;
+    assert_eq!(
+        (retry.status, retry.replayed(), retry.run()),
+        (201, false, 2),
+        "{retry:?}"
+    );
+    assert!(killed_at.elapsed() >= lease - Duration::from_millis(300));
+    assert_eq!(api.db.effects("emails", "killed").await, 1);
+    let again = api.send(call()).await.unwrap();
+    assert_eq!((again.replayed(), again.run()), (true, 2));
+}
+
+/// A leased request in flight on another instance (its own layer, so only the database knows):
+/// the twin is refused at once, on every backend (the pending call is committed on its own).
+async fn a_leased_twin_on_another_instance_gets_409_at_once<B: Backend>() {
+    let api = Api::<B>::start(Setup::default()).await;
+    let other = api.another_instance();
+    let order = json!({ "label": "twin", "sleep_ms": 1000 });
+    let call = || Call::new("/emails", "k-twin", order.clone());
+    let (first, twin) = tokio::join!(api.send(call()), async {
+        api.until_runs("twin", 1).await;
+        api.send_to(&other, call()).await
+    });
+    let (first, twin) = (first.unwrap(), twin.unwrap());
+    assert_eq!((first.status, first.replayed()), (201, false));
+    assert_eq!(twin.status, 409, "{twin:?}");
+    assert!(
+        twin.elapsed < Duration::from_millis(500),
+        "{:?}",
+        twin.elapsed
+    );
+    let replay = api.send_to(&other, call()).await.unwrap();
+    assert!(replay.replayed());
+    assert_eq!(api.db.effects("emails", "twin").await, 1);
+}
+
+macro_rules! http_tests {
+    ($backend:ty: $($name:ident),* $(,)?) => {$(
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $name() {
+            super::$name::<$backend>().await
+        }
+    )*};
+}
+
+macro_rules! all_http_tests {
+    ($backend:ty) => {
+        http_tests!($backend:
+            a_retry_after_the_client_gave_up_gets_one_effect,
+            fifty_concurrent_requests_with_one_key_have_one_effect,
+            a_key_reused_for_another_request_is_422,
+            two_clients_with_one_key_get_two_effects,
+            requests_without_a_usable_key_are_400,
+            server_errors_run_again_and_client_errors_are_replayed,
+            long_and_streamed_responses_are_passed_on_and_replayed_without_their_body,
+            stored_responses_expire_through_the_purge,
+            a_killed_server_leaves_a_transactional_key_free,
+            a_killed_server_leaves_a_leased_key_pending_until_its_lease_runs_out,
+            a_leased_twin_on_another_instance_gets_409_at_once,
+        );
+    };
+}
+
+mod postgres {
+    use super::*;
+
+    all_http_tests!(super::Pg);
+
+    /// A transactional request in flight on another instance: the twin's claim does not get the
+    /// key's advisory lock, and it is refused at once, instead of waiting on the first request's
+    /// uncommitted row as a message consumer's claim would. Then it gets the replay.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_transactional_twin_on_another_instance_gets_409_at_once() {
+        let api = Api::<Pg>::start(Setup::default()).await;
+        let other = api.another_instance();
+        let order = json!({ "label": "twin", "sleep_ms": 1000 });
+        let call = || Call::new("/payments", "k-twin", order.clone());
+        let (first, twin) = tokio::join!(api.send(call()), async {
+            api.until_runs("twin", 1).await;
+            api.send_to(&other, call()).await
+        });
+        let (first, twin) = (first.unwrap(), twin.unwrap());
+        assert_eq!((first.status, first.replayed()), (201, false));
+        assert_eq!(twin.status, 409, "{twin:?}");
+        assert_eq!(twin.code(), "idempotency_key_in_use");
+        assert!(
+            twin.elapsed < Duration::from_millis(500),
+            "{:?}",
+            twin.elapsed
+        );
+        let replay = api.send_to(&other, call()).await.unwrap();
+        assert!(replay.replayed());
+        assert_eq!(api.db.effects("payments", "twin").await, 1);
+    }
+}
+
+mod sqlite {
+    use super::*;
+
+    all_http_tests!(super::Lite);
+
+    /// SQLite has one writer at a time: a transactional twin on another instance (another pool,
+    /// as another process would have) waits for the first request's write lock like any writer,
+    /// then finds its stored response and replays it. (Twins on the same instance get 409 at once:
+    /// see `fifty_concurrent_requests_with_one_key_have_one_effect`.)
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_transactional_twin_on_another_instance_waits_for_the_write_lock_then_replays() {
+        let api = Api::<Lite>::start(Setup::default()).await;
+        let other = api.another_instance();
+        let order = json!({ "label": "twin", "sleep_ms": 1000 });
+        let call = || Call::new("/payments", "k-twin", order.clone());
+        let (first, twin) = tokio::join!(api.send(call()), async {
+            api.until_runs("twin", 1).await;
+            api.send_to(&other, call()).await
+        });
+        let (first, twin) = (first.unwrap(), twin.unwrap());
+        assert_eq!((first.status, first.replayed()), (201, false));
+        assert_eq!(
+            (twin.status, twin.replayed(), twin.run()),
+            (201, true, 1),
+            "{twin:?}"
+        );
+        assert!(
+            twin.elapsed > Duration::from_millis(500),
+            "{:?}",
+            twin.elapsed
+        );
+        assert_eq!(api.db.effects("payments", "twin").await, 1);
+    }
+}
