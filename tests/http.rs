@@ -45,6 +45,9 @@ struct Order {
     pad: usize,
     /// Streams this many chunks of 512 bytes instead of a JSON answer.
     chunks: usize,
+    /// On its first run for this label, `/payments` runs `DEALLOCATE ALL` (PostgreSQL) after its
+    /// effect: the connection's prepared statements are gone.
+    deallocate_first: bool,
 }
 
 /// What the test sees of the server's handlers, whichever server runs them.
@@ -74,6 +77,8 @@ impl Seen {
 struct Setup {
     lease: Duration,
     max_stored_body: usize,
+    /// The server's pool.
+    connections: u32,
 }
 
 impl Default for Setup {
@@ -81,6 +86,7 @@ impl Default for Setup {
         Self {
             lease: Duration::from_secs(30),
             max_stored_body: idempotent::http::DEFAULT_MAX_STORED_BODY,
+            connections: 16,
         }
     }
 }
@@ -165,6 +171,12 @@ macro_rules! app_for {
                 .execute(tx.connection())
                 .await
                 .unwrap();
+            if order.deallocate_first && run == 1 {
+                sqlx::query("DEALLOCATE ALL")
+                    .execute(tx.connection())
+                    .await
+                    .unwrap();
+            }
             if order.hang_first && run == 1 {
                 app.seen.hanging.notify_one();
                 std::future::pending::<()>().await;
@@ -371,7 +383,7 @@ macro_rules! backend_for {
                 let options = self.0.pool.connect_options().as_ref().clone();
                 Server::start(move || async move {
                     let pool = <$pool_options>::new()
-                        .max_connections(16)
+                        .max_connections(setup.connections)
                         .connect_with(options)
                         .await
                         .unwrap();
@@ -976,6 +988,49 @@ mod postgres {
         let replay = api.send_to(&other, call()).await.unwrap();
         assert!(replay.replayed());
         assert_eq!(api.db.effects("payments", "twin").await, 1);
+    }
+
+    /// A handler that runs `DEALLOCATE ALL` leaves its connection's prepared statements gone
+    /// (and the driver's cache of them stale). Its own request fails as retryable (the response
+    /// cannot be stored: 503, nothing committed); the next claim on the connection forgets the
+    /// driver's statements and claims again, so the connection goes on serving. A pool of one
+    /// connection, so every request uses it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_handler_that_deallocates_prepared_statements_does_not_break_its_connection() {
+        let api = Api::<Pg>::start(Setup {
+            connections: 1,
+            ..Setup::default()
+        })
+        .await;
+        let warm = api
+            .send(Call::new("/payments", "k-warm", json!({ "label": "warm" })))
+            .await
+            .unwrap();
+        assert_eq!(
+            warm.status, 201,
+            "every statement is prepared on the connection now"
+        );
+        let order = json!({ "label": "deallocating", "deallocate_first": true });
+        let call = || Call::new("/payments", "k-deallocating", order.clone());
+        let first = api.send(call()).await.unwrap();
+        assert_eq!(first.status, 503, "{first:?}");
+        assert_eq!(first.code(), "idempotency_store_failed");
+        assert_eq!(api.db.effects("payments", "deallocating").await, 0);
+        let retry = api.send(call()).await.unwrap();
+        assert_eq!(
+            (retry.status, retry.replayed(), retry.run()),
+            (201, false, 2),
+            "{retry:?}"
+        );
+        for n in 0..3 {
+            let label = format!("after-{n}");
+            let reply = api
+                .send(Call::new("/payments", &label, json!({ "label": label })))
+                .await
+                .unwrap();
+            assert_eq!(reply.status, 201, "{reply:?}");
+        }
+        assert_eq!(api.db.effects("payments", "deallocating").await, 1);
     }
 }
 

@@ -176,21 +176,7 @@ impl<DB: HttpBackend> Run<DB> {
         {
             return Ok((Outcome::Replayed, replay));
         }
-        let mut tx = InboxTransaction::begin(self.inbox().resources())
-            .await
-            .map_err(|error| match error {
-                BeginError::Acquire(error) | BeginError::Begin(error) => {
-                    Rejection::Inbox(database_error(Stage::Begin)(error))
-                }
-            })?;
-        let attempt = DB::try_insert_key(
-            tx.connection(),
-            &self.inbox().config.statements,
-            self.consumer(),
-            self.key.as_bytes(),
-            &self.fingerprint,
-        )
-        .await;
+        let (tx, attempt) = self.try_claim().await?;
         match attempt {
             Ok(Attempt::Claimed) => {}
             Ok(Attempt::InFlight) => {
@@ -252,6 +238,45 @@ impl<DB: HttpBackend> Run<DB> {
         }
         claimed.commit().await.map_err(Rejection::Inbox)?;
         Ok((Outcome::Processed, Response::from_parts(head, body)))
+    }
+
+    /// Begins a transaction and claims the key in it without waiting. A connection whose prepared
+    /// statements a body deallocated (PostgreSQL's `DEALLOCATE ALL`) fails the claim: its driver
+    /// forgets them, and the claim is made again, as the inbox's own claim does.
+    async fn try_claim(
+        &self,
+    ) -> Result<(InboxTransaction<DB>, Result<Attempt, sqlx::Error>), Rejection> {
+        let begin_error = |error| match error {
+            BeginError::Acquire(error) | BeginError::Begin(error) => {
+                Rejection::Inbox(database_error(Stage::Begin)(error))
+            }
+        };
+        let claim_error = |error| Rejection::Inbox(database_error(Stage::Claim)(error));
+        let statements = &self.inbox().config.statements;
+        for attempt in 0..2 {
+            let mut tx = InboxTransaction::begin(self.inbox().resources())
+                .await
+                .map_err(begin_error)?;
+            let claimed = DB::try_insert_key(
+                tx.connection(),
+                statements,
+                self.consumer(),
+                self.key.as_bytes(),
+                &self.fingerprint,
+            )
+            .await;
+            match claimed {
+                Err(error) if attempt == 0 && DB::lost_statement(&error) => {
+                    let mut session = tx.rollback().await.map_err(claim_error)?;
+                    DB::forget_statements(session.start_step())
+                        .await
+                        .map_err(claim_error)?;
+                    session.end_step();
+                }
+                claimed => return Ok((tx, claimed)),
+            }
+        }
+        unreachable!("the second attempt returns")
     }
 
     /// A leased route: record the pending call, run the handler, store its response in the inbox

@@ -44,7 +44,10 @@ pub(crate) mod sealed {
         const READ_FIRST: bool;
 
         /// Inserts `(consumer, key, fingerprint)` in the open transaction unless the key is there
-        /// or being claimed, without waiting for another transaction.
+        /// or being claimed, without waiting for another transaction. A prepared statement, like
+        /// the inbox's claim: an error that [`lost_statement`](crate::store::Store::lost_statement)
+        /// recognizes (a body's `DEALLOCATE ALL` on this connection) is repaired by forgetting the
+        /// driver's statements.
         fn try_insert_key<'a>(
             conn: &'a mut Self::Connection,
             statements: &'a Statements,
@@ -111,9 +114,6 @@ mod postgres {
                     .bind(key)
                     .bind(fingerprint)
                     .bind(lock_of(statements, consumer, key))
-                    // Not kept prepared: a body's `DEALLOCATE ALL` cannot leave it stale in the
-                    // driver's cache.
-                    .persistent(false)
                     .fetch_one(conn)
                     .await?;
             Ok(match (taken, inserted) {
