@@ -6,11 +6,15 @@
 //! - (b) the same route behind `IdempotencyLayer::transactional`, its insert on the claimed
 //!   transaction;
 //! - (c) the same route doing its own check-then-insert, as the background article's handler does:
-//!   `BEGIN`, `SELECT` the key's stored response (a retry gets it), insert the payment, insert the
-//!   key with the response (a unique violation: `409`), `COMMIT`.
+//!   `BEGIN`, `SELECT` the key's stored response body (a retry gets it), insert the payment, insert
+//!   the key with the response body (a unique violation: `409`), `COMMIT`. Simpler than (b): no
+//!   fingerprint, no status or headers stored, and a concurrent twin waits on the first one's
+//!   uncommitted key instead of getting a `409` at once.
 //!
-//! Each cell sends `--requests` requests from `--concurrency` client tasks, each with a fresh
-//! `Idempotency-Key`, or (with 20% retries) 1 in 5 a retry of one of its earlier requests.
+//! Each cell sends `--requests` requests (2000) to each route from `--concurrency` client tasks
+//! (1, 8 and 32), each with a fresh `Idempotency-Key`, or (with 20% retries) 1 in 5 a retry of one
+//! of its earlier requests. The routes take turns in `--rounds` rounds (3); a route's rate is its
+//! median round, its latencies those of all its rounds.
 //!
 //! ```text
 //! IDEMPOTENT_PG_URL=postgres://postgres@127.0.0.1:54329/postgres \
@@ -37,10 +41,14 @@ struct Payment {
 }
 
 fn created(id: i64) -> Response {
+    created_body(format!("{{\"id\":{id}}}").into_bytes())
+}
+
+fn created_body(body: Vec<u8>) -> Response {
     (
         StatusCode::CREATED,
         [("content-type", "application/json")],
-        format!("{{\"id\":{id}}}"),
+        body,
     )
         .into_response()
 }
@@ -99,16 +107,16 @@ async fn checked(
         return StatusCode::BAD_REQUEST.into_response();
     };
     let mut tx = pool.begin().await.unwrap();
-    let stored: Option<i64> =
-        sqlx::query_scalar("SELECT payment_id FROM own_keys WHERE client = $1 AND key = $2")
+    let stored: Option<Vec<u8>> =
+        sqlx::query_scalar("SELECT response FROM own_keys WHERE client = $1 AND key = $2")
             .bind(&client)
             .bind(key)
             .fetch_optional(&mut *tx)
             .await
             .unwrap();
-    if let Some(id) = stored {
+    if let Some(response) = stored {
         tx.rollback().await.unwrap();
-        return created(id);
+        return created_body(response);
     }
     let id: i64 = sqlx::query_scalar(INSERT_PAYMENT)
         .bind(&client)
@@ -116,17 +124,17 @@ async fn checked(
         .fetch_one(&mut *tx)
         .await
         .unwrap();
-    let recorded =
-        sqlx::query("INSERT INTO own_keys (client, key, payment_id) VALUES ($1, $2, $3)")
-            .bind(&client)
-            .bind(key)
-            .bind(id)
-            .execute(&mut *tx)
-            .await;
+    let response = format!("{{\"id\":{id}}}").into_bytes();
+    let recorded = sqlx::query("INSERT INTO own_keys (client, key, response) VALUES ($1, $2, $3)")
+        .bind(&client)
+        .bind(key)
+        .bind(&response)
+        .execute(&mut *tx)
+        .await;
     match recorded {
         Ok(_) => {
             tx.commit().await.unwrap();
-            created(id)
+            created_body(response)
         }
         Err(error)
             if error
@@ -139,7 +147,14 @@ async fn checked(
     }
 }
 
-/// What one cell measured.
+/// What one round of one route measured.
+struct Round {
+    per_second: f64,
+    latencies: Vec<Duration>,
+    retries: usize,
+}
+
+/// What the rounds of one route measured: the median rate, the latencies of all of them.
 struct Cell {
     per_second: f64,
     p50: Duration,
@@ -147,8 +162,26 @@ struct Cell {
     retries: usize,
 }
 
+impl Cell {
+    fn of(mut rounds: Vec<Round>) -> Self {
+        rounds.sort_by(|a, b| a.per_second.total_cmp(&b.per_second));
+        let per_second = rounds[rounds.len() / 2].per_second;
+        let retries = rounds.iter().map(|r| r.retries).sum();
+        let mut latencies: Vec<Duration> = rounds.into_iter().flat_map(|r| r.latencies).collect();
+        latencies.sort();
+        let at =
+            |q: f64| latencies[((latencies.len() as f64 * q) as usize).min(latencies.len() - 1)];
+        Cell {
+            per_second,
+            p50: at(0.50),
+            p99: at(0.99),
+            retries,
+        }
+    }
+}
+
 /// Sends `requests` requests to `url` from `concurrency` tasks, `retry_percent` of them retries.
-async fn load(url: &str, requests: usize, concurrency: usize, retry_percent: u32) -> Cell {
+async fn load(url: &str, requests: usize, concurrency: usize, retry_percent: u32) -> Round {
     let http = reqwest::Client::builder()
         .pool_max_idle_per_host(concurrency)
         .build()
@@ -199,13 +232,9 @@ async fn load(url: &str, requests: usize, concurrency: usize, retry_percent: u32
         latencies.extend(worker_latencies);
         retries += worker_retries;
     }
-    let elapsed = started.elapsed();
-    latencies.sort();
-    let at = |q: f64| latencies[((latencies.len() as f64 * q) as usize).min(latencies.len() - 1)];
-    Cell {
-        per_second: requests as f64 / elapsed.as_secs_f64(),
-        p50: at(0.50),
-        p99: at(0.99),
+    Round {
+        per_second: requests as f64 / started.elapsed().as_secs_f64(),
+        latencies,
         retries,
     }
 }
@@ -228,6 +257,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .map(str::parse)
         .collect::<Result<_, _>>()?;
     let connections: u32 = arg("--connections").map_or(Ok(16), |n| n.parse())?;
+    let rounds: usize = arg("--rounds").map_or(Ok(3), |n| n.parse())?;
 
     // A schema of its own, dropped at the end.
     let schema = format!("bench_http_{}", uuid::Uuid::new_v4().simple());
@@ -243,7 +273,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .await?;
     for statement in [
         "CREATE TABLE payments (id BIGSERIAL PRIMARY KEY, client TEXT NOT NULL, amount_cents BIGINT NOT NULL)",
-        "CREATE TABLE own_keys (client TEXT NOT NULL, key TEXT NOT NULL, payment_id BIGINT NOT NULL,
+        "CREATE TABLE own_keys (client TEXT NOT NULL, key TEXT NOT NULL, response BYTEA NOT NULL,
                                 created_at TIMESTAMPTZ NOT NULL DEFAULT now(), PRIMARY KEY (client, key))",
     ] {
         sqlx::query(statement).execute(&pool).await?;
@@ -268,7 +298,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
     println!(
-        "{requests} requests per cell; pool of {connections} connections; {cores} cores; server and client in one process\n"
+        "{requests} requests per route and cell, in {rounds} rounds; pool of {connections} connections; {cores} cores; server and client in one process\n"
     );
     println!(
         "| clients | retries | (a) no layer req/s | (b) layer req/s | (c) check-then-insert req/s | (a) p50 / p99 ms | (b) p50 / p99 ms | (c) p50 / p99 ms | **b/a** | **b/c** |"
@@ -278,12 +308,26 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let started = Instant::now();
     for &concurrency in &concurrencies {
         for retry_percent in [0, 20] {
-            let mut cells = Vec::new();
-            for route in ["plain", "layered", "checked"] {
-                let url = format!("{base}/{route}");
-                load(&url, requests / 10, concurrency, retry_percent).await; // warm-up
-                cells.push(load(&url, requests, concurrency, retry_percent).await);
+            // The routes take turns, round after round, so that a change in the machine's load
+            // falls on all three alike; each one's rate is its median round.
+            let routes = ["plain", "layered", "checked"];
+            let mut measured: Vec<Vec<Round>> = routes.iter().map(|_| Vec::new()).collect();
+            for route in routes {
+                load(
+                    &format!("{base}/{route}"),
+                    requests / 10,
+                    concurrency,
+                    retry_percent,
+                )
+                .await;
             }
+            for _ in 0..rounds {
+                for (route, measured) in routes.iter().zip(&mut measured) {
+                    let url = format!("{base}/{route}");
+                    measured.push(load(&url, requests / rounds, concurrency, retry_percent).await);
+                }
+            }
+            let cells: Vec<Cell> = measured.into_iter().map(Cell::of).collect();
             let [a, b, c] = &cells[..] else {
                 unreachable!("three routes")
             };
