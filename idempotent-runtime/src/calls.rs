@@ -233,6 +233,10 @@ impl<DB: Backend> Inbox<DB> {
     /// it called out, or its result is not worth keeping): deletes the record if `lease` still
     /// holds it, so that the next attempt runs at once instead of waiting for the lease to run
     /// out. `false` when a later attempt took the call over (its record stays) or it was completed.
+    ///
+    /// The next attempt starts a new record, whose fence is 1 again: an attempt that released its
+    /// call must not complete it afterwards (with a clone of its lease), or it would complete the
+    /// next attempt's record.
     pub async fn release_call(&self, lease: CallLease) -> Result<bool, InboxError> {
         let mut session = self.call_session().await?;
         let released = DB::call_release(

@@ -316,6 +316,13 @@ impl<DB: HttpBackend> Run<DB> {
             }
             Err(error) => return Err(Rejection::Inbox(error)),
         };
+        // The first read found nothing, but the request it missed may have completed since: its
+        // completion stores the response and deletes its pending call in one transaction, which
+        // is how this call could be recorded anew. Read again before running the handler.
+        if let Some(replay) = self.replay(None).await? {
+            self.release(lease).await;
+            return Ok((Outcome::Replayed, replay));
+        }
         tracing::debug!(fence = lease.fence(), "call pending");
         let response = match inner.call(request).await {
             Ok(response) => response.into_response(),
