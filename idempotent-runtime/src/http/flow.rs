@@ -63,16 +63,6 @@ where
     let Some(scope) = (config.scope)(&parts).filter(|scope| !scope.is_empty()) else {
         return Ok(reject(Rejection::NoScope));
     };
-    let body = match Limited::new(body, config.max_request_body).collect().await {
-        Ok(body) => body.to_bytes(),
-        Err(error) if error.is::<LengthLimitError>() => {
-            return Ok(reject(Rejection::RequestTooLarge {
-                limit: config.max_request_body,
-            }));
-        }
-        Err(error) => return Ok(reject(Rejection::RequestBody(axum_core::Error::new(error)))),
-    };
-    let fingerprint = config.fingerprint.of(&parts, &body);
     // Neither is empty: the key was checked, the scope too.
     let Ok(stored_key) = scoped_key(&scope, &key) else {
         return Ok(reject(Rejection::NoScope));
@@ -83,12 +73,26 @@ where
         key = %stored_key.digest(),
         outcome = tracing::field::Empty,
     );
-    let Some(entered) = shared.in_flight.enter(stored_key.as_bytes()) else {
+    let Some(entered) = shared
+        .in_flight
+        .enter(&config.consumer, stored_key.as_bytes())
+    else {
         span.in_scope(|| tracing::debug!("a request with this key is in flight here"));
         return Ok(reject(Rejection::InFlight {
             retry_after: config.retry_after,
         }));
     };
+    // Read whole, to fingerprint it; the handler gets it as it was.
+    let body = match Limited::new(body, config.max_request_body).collect().await {
+        Ok(body) => body.to_bytes(),
+        Err(error) if error.is::<LengthLimitError>() => {
+            return Ok(reject(Rejection::RequestTooLarge {
+                limit: config.max_request_body,
+            }));
+        }
+        Err(error) => return Ok(reject(Rejection::RequestBody(axum_core::Error::new(error)))),
+    };
+    let fingerprint = config.fingerprint.of(&parts, &body);
     parts.extensions.insert(RequestKey {
         key,
         scope,
@@ -440,11 +444,13 @@ impl<DB: HttpBackend> Run<DB> {
             return Ok(None);
         };
         if fingerprint.is_some_and(|stored| stored[..] != self.fingerprint[..]) {
+            inbox.metrics.fingerprint_mismatch(1);
             tracing::info!("the key was used before for another request");
             return Err(Rejection::KeyReused);
         }
         let response = response.ok_or(Rejection::Stored(super::StoredError::Missing))?;
         let stored = StoredResponse::decode(&response).map_err(Rejection::Stored)?;
+        inbox.metrics.duplicate(1);
         Ok(Some(stored.into_replay()))
     }
 }

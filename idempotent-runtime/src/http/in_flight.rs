@@ -6,30 +6,35 @@
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 
-/// The keys in flight, shared by every clone of one layer.
+/// A consumer's key.
+type Entry = (Box<str>, Vec<u8>);
+
+/// The keys in flight, shared by every clone of one layer (and by the layers its builder methods
+/// made, whatever consumer name they were given).
 #[derive(Debug, Default)]
 pub(crate) struct InFlight {
-    keys: Mutex<HashSet<Vec<u8>>>,
+    keys: Mutex<HashSet<Entry>>,
 }
 
 /// A key marked in flight until this is dropped.
 #[derive(Debug)]
 pub(crate) struct Entered {
     registry: Arc<InFlight>,
-    key: Vec<u8>,
+    entry: Entry,
 }
 
 impl InFlight {
-    /// Marks `key` in flight; `None` when it already is.
-    pub(crate) fn enter(self: &Arc<Self>, key: &[u8]) -> Option<Entered> {
+    /// Marks `consumer`'s `key` in flight; `None` when it already is.
+    pub(crate) fn enter(self: &Arc<Self>, consumer: &str, key: &[u8]) -> Option<Entered> {
+        let entry: Entry = (consumer.into(), key.to_vec());
         let inserted = self
             .keys
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .insert(key.to_vec());
+            .insert(entry.clone());
         inserted.then(|| Entered {
             registry: self.clone(),
-            key: key.to_vec(),
+            entry,
         })
     }
 }
@@ -40,7 +45,7 @@ impl Drop for Entered {
             .keys
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .remove(&self.key);
+            .remove(&self.entry);
     }
 }
 
@@ -51,11 +56,12 @@ mod tests {
     #[test]
     fn a_key_is_in_flight_until_its_entry_is_dropped() {
         let registry = Arc::new(InFlight::default());
-        let first = registry.enter(b"k").unwrap();
-        assert!(registry.enter(b"k").is_none());
-        let other = registry.enter(b"other").unwrap();
+        let first = registry.enter("http", b"k").unwrap();
+        assert!(registry.enter("http", b"k").is_none());
+        let other = registry.enter("http", b"other").unwrap();
+        let other_consumer = registry.enter("api", b"k").unwrap();
         drop(first);
-        assert!(registry.enter(b"k").is_some());
-        drop(other);
+        assert!(registry.enter("http", b"k").is_some());
+        drop((other, other_consumer));
     }
 }

@@ -111,6 +111,14 @@
 //! shutting down, the process killed), a transactional route's transaction rolls back, so the
 //! retry runs the handler once; a leased route's key stays pending until its lease runs out, and
 //! then the retry runs the handler once.
+//!
+//! # Observability
+//! Each keyed request runs in a `tracing` span named `idempotent_http` with the fields `consumer`,
+//! `key` (a digest, never the key) and `outcome` (`processed`, `replayed`, `not stored`,
+//! `refused`); the layer's answers for the server's failures are logged at `warn`. In the inbox's
+//! [`metrics`](crate::Inbox::metrics) (shared with the inbox the layer was made from), a committed
+//! response counts in `processed`, a replay in `duplicates`, a reused key in
+//! `fingerprint_mismatches`, a `409` on a leased route in `calls_in_progress`.
 
 mod body;
 mod extract;
