@@ -114,7 +114,7 @@
 //! - `sqlite` (default): the inbox on SQLite, compiled in.
 //! - `postgres`: the inbox on PostgreSQL.
 //! - `mysql`: the inbox on MySQL and MariaDB.
-//! - `http`: [`http`], a tower layer and axum extractors that make HTTP routes idempotent by
+//! - `http`: the `http` module, a tower layer and axum extractors that make HTTP routes idempotent by
 //!   `Idempotency-Key` header, on the same inbox (PostgreSQL and SQLite).
 #![warn(missing_docs, unreachable_pub)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
