@@ -122,6 +122,8 @@
 //! - `postgres`: the inbox on PostgreSQL.
 //! - `mysql`: the inbox on MySQL and MariaDB.
 //! - `rabbitmq`, `nats`: the [`broker`] runners for RabbitMQ and NATS JetStream.
+//! - `http`: the `http` module, a tower layer and axum extractors that make HTTP routes idempotent by
+//!   `Idempotency-Key` header, on the same inbox (PostgreSQL and SQLite).
 #![warn(missing_docs, unreachable_pub)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
@@ -171,6 +173,9 @@ pub use idempotent_runtime::{
 #[cfg(any(feature = "rabbitmq", feature = "nats"))]
 #[cfg_attr(docsrs, doc(cfg(any(feature = "rabbitmq", feature = "nats"))))]
 pub use idempotent_runtime::broker;
+#[cfg(feature = "http")]
+#[cfg_attr(docsrs, doc(cfg(feature = "http")))]
+pub use idempotent_runtime::http;
 #[cfg(feature = "mysql")]
 #[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
 pub use idempotent_runtime::mysql;

@@ -9,6 +9,7 @@
 //!      └─── found pending, lease expired: fence += 1 ──► Run(lease, fence n+1)
 //! complete_call(lease, result) ── fence still ours ────► completed, result stored
 //!                              └─ taken over since ────► Err(Fenced)
+//! release_call(lease) ────────── fence still ours ────► record deleted: the next attempt runs
 //! ```
 //!
 //! Every step is one statement in its own transaction; the lease and the clock are the
@@ -67,7 +68,7 @@ impl CallLease {
         IdempotencyKey::new(&format!("{}/{}", self.consumer, self.name), &self.key)
     }
 
-    fn id(&self) -> CallId<'_> {
+    pub(crate) fn id(&self) -> CallId<'_> {
         CallId {
             consumer: &self.consumer,
             key: self.key.as_bytes(),
@@ -227,6 +228,34 @@ impl<DB: Backend> Inbox<DB> {
             "late attempt fenced off"
         );
         Err(InboxError::Fenced { fence: lease.fence })
+    }
+
+    /// Gives up a pending call whose outcome this attempt does not want recorded (it failed before
+    /// it called out, or its result is not worth keeping): deletes the record if `lease` still
+    /// holds it, so that the next attempt runs at once instead of waiting for the lease to run
+    /// out. `false` when a later attempt took the call over (its record stays) or it was completed.
+    ///
+    /// The next attempt starts a new record, whose fence is 1 again: an attempt that released its
+    /// call must not complete it afterwards (with a clone of its lease), or it would complete the
+    /// next attempt's record.
+    pub async fn release_call(&self, lease: CallLease) -> Result<bool, InboxError> {
+        let mut session = self.call_session().await?;
+        let released = DB::call_release(
+            session.start_step(),
+            &self.config.statements,
+            lease.id(),
+            lease.fence,
+        )
+        .await
+        .map_err(database_error(Stage::Call))?;
+        session.end_step();
+        tracing::debug!(
+            consumer = lease.consumer,
+            call = lease.name,
+            released,
+            "call released"
+        );
+        Ok(released)
     }
 
     /// A connection for the steps of a call, each in a transaction of its own.

@@ -554,6 +554,37 @@ pub struct Claimed<DB: Backend> {
 }
 
 impl<DB: Backend> Claimed<DB> {
+    /// The claim of `key` that `tx` holds, made by a claim of its own (the HTTP layer's, which
+    /// does not wait for a concurrent claim of the same key).
+    #[cfg_attr(not(feature = "http"), allow(dead_code))]
+    pub(crate) fn new(
+        tx: InboxTransaction<DB>,
+        consumer: &str,
+        key: MessageKey,
+        inbox: &Inbox<DB>,
+    ) -> Self {
+        Self {
+            tx,
+            consumer: consumer.into(),
+            key,
+            config: inbox.config.clone(),
+            metrics: inbox.metrics.clone(),
+        }
+    }
+
+    /// Stores `response` (bytes as they are) with the claimed row, in this transaction.
+    pub(crate) async fn store_response(&mut self, response: &[u8]) -> Result<(), InboxError> {
+        DB::set_response(
+            self.tx.connection(),
+            &self.config.statements,
+            &self.consumer,
+            self.key.as_bytes(),
+            response,
+        )
+        .await
+        .map_err(database_error(Stage::StoreResponse))
+    }
+
     /// The transaction's connection, for the handler's own statements.
     pub fn connection(&mut self) -> &mut DB::Connection {
         self.tx.connection()
@@ -665,15 +696,7 @@ impl<DB: Backend> Claimed<DB> {
                     source: error.into(),
                 })
             })?;
-            DB::set_response(
-                self.tx.connection(),
-                &self.config.statements,
-                &self.consumer,
-                self.key.as_bytes(),
-                &response,
-            )
-            .await
-            .map_err(|error| Error::Inbox(database_error(Stage::StoreResponse)(error)))?;
+            self.store_response(&response).await?;
         }
         self.finish_after(result, as_error).await
     }

@@ -12,6 +12,9 @@ pub mod broker;
 pub mod calls;
 mod clock;
 mod error;
+#[cfg(feature = "http")]
+#[cfg_attr(docsrs, doc(cfg(feature = "http")))]
+pub mod http;
 mod inbox;
 pub mod key;
 mod markers;

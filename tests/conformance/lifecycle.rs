@@ -315,6 +315,65 @@ pub async fn late_writer_is_fenced_off(h: impl Harness) {
     assert_eq!(h.inbox().metrics().calls_fenced, 1);
 }
 
+/// A released call is gone: the next attempt runs at once instead of waiting for the lease. An
+/// attempt whose lease was taken over releases nothing: the call stays with the later attempt, and
+/// a completed call cannot be released.
+pub async fn a_released_call_runs_again_at_once_and_only_its_holder_releases_it(h: impl Harness) {
+    let inbox = h.inbox();
+    let run = |start: CallStart<String>| match start {
+        CallStart::Run(lease) => lease,
+        CallStart::Completed(result) => panic!("not run: completed with {result}"),
+    };
+    let key = message_key("released").unwrap();
+    let long = Duration::from_secs(60);
+    let first = run(inbox
+        .begin_call("orders", &key, "charge", long)
+        .await
+        .unwrap());
+    let busy = inbox
+        .begin_call::<String>("orders", &key, "charge", long)
+        .await;
+    assert!(
+        matches!(busy, Err(InboxError::CallInProgress { .. })),
+        "{busy:?}"
+    );
+    assert!(inbox.release_call(first).await.unwrap());
+    let second = run(inbox
+        .begin_call("orders", &key, "charge", long)
+        .await
+        .unwrap());
+    inbox
+        .complete_call(second.clone(), &"done".to_owned())
+        .await
+        .unwrap();
+    assert!(
+        !inbox.release_call(second).await.unwrap(),
+        "a completed call stays"
+    );
+
+    let key = message_key("taken-over").unwrap();
+    let short = Duration::from_millis(200);
+    let stale = run(inbox
+        .begin_call("orders", &key, "charge", short)
+        .await
+        .unwrap());
+    tokio::time::sleep(short + Duration::from_millis(100)).await;
+    let current = run(inbox
+        .begin_call("orders", &key, "charge", long)
+        .await
+        .unwrap());
+    assert_eq!((stale.fence(), current.fence()), (1, 2));
+    assert!(!inbox.release_call(stale).await.unwrap());
+    let busy = inbox
+        .begin_call::<String>("orders", &key, "charge", long)
+        .await;
+    assert!(
+        matches!(busy, Err(InboxError::CallInProgress { .. })),
+        "{busy:?}"
+    );
+    assert!(inbox.release_call(current).await.unwrap());
+}
+
 pub async fn concurrent_call_attempts_make_one_call(h: impl Harness) {
     let key = message_key("charge-4").unwrap();
     let calls = AtomicUsize::new(0);

@@ -476,6 +476,7 @@ macro_rules! conformance_tests {
             call_once_calls_once_and_returns_the_stored_result
             dropped_call_is_in_progress_until_its_lease_expires_then_taken_over
             late_writer_is_fenced_off
+            a_released_call_runs_again_at_once_and_only_its_holder_releases_it
             concurrent_call_attempts_make_one_call
             batch_runs_the_body_only_for_new_keys
             failing_body_rolls_back_the_whole_batch

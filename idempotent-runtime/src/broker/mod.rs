@@ -478,10 +478,15 @@ where
     failure.map_or(Ok(()), Err)
 }
 
+/// What processing a unit of deliveries on a worker comes to: the worker back, and whether its
+/// deliveries were settled.
+pub(crate) type Processed<W> =
+    futures_util::future::BoxFuture<'static, (W, Result<(), BrokerError>)>;
+
 /// The `process` of [`drive`] for handlers of one message at a time.
 pub(crate) fn one_at_a_time<D, W, Fut, T, E>(
     settler: Arc<Settler>,
-) -> impl FnMut(W, Vec<D>) -> futures_util::future::BoxFuture<'static, (W, Result<(), BrokerError>)>
+) -> impl FnMut(W, Vec<D>) -> Processed<W>
 where
     D: Delivery,
     W: FnMut(Message) -> Fut + Send + 'static,
@@ -579,13 +584,7 @@ pub(crate) struct BatchWorker<DB: crate::store::Backend, B> {
 pub(crate) fn in_batches<D, DB, B, T, E>(
     consumer: Arc<str>,
     settler: Arc<Settler>,
-) -> impl FnMut(
-    BatchWorker<DB, B>,
-    Vec<D>,
-) -> futures_util::future::BoxFuture<
-    'static,
-    (BatchWorker<DB, B>, Result<(), BrokerError>),
->
+) -> impl FnMut(BatchWorker<DB, B>, Vec<D>) -> Processed<BatchWorker<DB, B>>
 where
     D: Delivery,
     DB: crate::store::Backend,

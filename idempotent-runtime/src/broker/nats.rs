@@ -4,7 +4,7 @@
 //! # use idempotent_runtime as idempotent;
 //! use idempotent::broker::nats::Runner;
 //! use idempotent::broker::{Message, RetryPolicy};
-//! # async fn demo(jetstream: async_nats::jetstream::Context, inbox: idempotent::Inbox<sqlx::Sqlite>) -> Result<(), Box<dyn std::error::Error>> {
+//! # async fn demo(jetstream: async_nats::jetstream::Context, inbox: idempotent::Inbox<sqlx::Sqlite>) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 //! let stream = jetstream.get_stream("PAYMENTS").await?;
 //! let consumer: async_nats::jetstream::consumer::PullConsumer =
 //!     stream.get_consumer("ledger").await?;

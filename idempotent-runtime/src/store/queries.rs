@@ -235,6 +235,14 @@ pub trait Queries: Store {
         fence: i64,
         result: &'a [u8],
     ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send + 'a;
+
+    /// Deletes the pending call if its fence is still `fence`; `true` when it did.
+    fn call_release<'a>(
+        conn: &'a mut Self::Connection,
+        statements: &'a Statements,
+        id: CallId<'a>,
+        fence: i64,
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send + 'a;
 }
 
 /// The rows a statement changed, which every driver reports with a method of its own.
@@ -588,6 +596,22 @@ where
     ) -> Result<bool, sqlx::Error> {
         let done = sqlx::query(AssertSqlSafe(statements.call_complete.clone()))
             .bind(result)
+            .bind(id.consumer)
+            .bind(id.key)
+            .bind(id.name)
+            .bind(fence)
+            .execute(conn)
+            .await?;
+        Ok(done.rows() == 1)
+    }
+
+    async fn call_release(
+        conn: &mut DB::Connection,
+        statements: &Statements,
+        id: CallId<'_>,
+        fence: i64,
+    ) -> Result<bool, sqlx::Error> {
+        let done = sqlx::query(AssertSqlSafe(statements.call_release.clone()))
             .bind(id.consumer)
             .bind(id.key)
             .bind(id.name)

@@ -105,6 +105,7 @@ pub struct Statements {
     pub(crate) stats_horizons: Arc<str>,
     /// The newest schema version recorded.
     pub(crate) schema_version: Arc<str>,
+    pub(crate) call_release: Arc<str>,
 }
 
 /// Numbers placeholders as the dialect wants them.
@@ -325,6 +326,12 @@ impl Statements {
         );
         let stats_horizons = format!("SELECT {consumer_text}, purged_until FROM {h}");
         let schema_version = format!("SELECT CAST(MAX(version) AS {int}) FROM {v}");
+        let call_release = {
+            let mut p = p();
+            let which = call(&mut p);
+            let f = p.next();
+            format!("DELETE FROM {c} WHERE {which} AND fence = {f} AND completed = FALSE")
+        };
         Statements {
             dialect,
             table: t,
@@ -352,6 +359,7 @@ impl Statements {
             stats_calls: stats_calls.into(),
             stats_horizons: stats_horizons.into(),
             schema_version: schema_version.into(),
+            call_release: call_release.into(),
         }
     }
 

@@ -1,0 +1,477 @@
+//! What the layer does with one request, in order: read and check the key, fingerprint the
+//! request, keep twins out, then either replay, refuse, or run the handler and store its response.
+//!
+//! The handler runs in a task of its own, so that a client that goes away (its timeout, a dropped
+//! connection) does not cut the handler off half-way: the request is finished and its response
+//! stored, and the client's retry gets the replay. What the task holds (the key in flight, the
+//! claimed transaction) ends with it, whatever ends it.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum_core::body::Body;
+use axum_core::extract::Request;
+use axum_core::response::{IntoResponse, Response};
+use http::response;
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+use tracing::Instrument;
+
+use super::HttpBackend;
+use super::body::{Buffered, buffer};
+use super::extract::{RequestKey, Slot};
+use super::in_flight::Entered;
+use super::layer::{Mode, Shared};
+use super::problem::Rejection;
+use super::request_key::{read_key, scoped_key};
+use super::stored::StoredResponse;
+use crate::calls::{CallLease, CallStart};
+use crate::error::{InboxError, Stage};
+use crate::inbox::{Claim, ClaimOptions, Claimed, Inbox};
+use crate::key::MessageKey;
+use crate::session::Session;
+use crate::store::database_error;
+use crate::store::no_wait::Attempt;
+use crate::transaction::{BeginError, InboxTransaction};
+
+/// The name of the pending call a leased route records per request.
+const CALL_NAME: &str = "http";
+
+/// One request through the layer.
+pub(crate) async fn handle<S, DB>(
+    shared: Arc<Shared<DB>>,
+    mut inner: S,
+    request: Request,
+) -> Result<Response, Infallible>
+where
+    S: tower::Service<Request, Error = Infallible> + Send + 'static,
+    S::Response: IntoResponse,
+    S::Future: Send + 'static,
+    DB: HttpBackend,
+{
+    let (mut parts, body) = request.into_parts();
+    let config = &shared.config;
+    let key = match read_key(&parts.headers, config.max_key_len) {
+        Ok(Some(key)) => key,
+        Ok(None) if !config.require_key => {
+            let response = inner.call(Request::from_parts(parts, body)).await?;
+            return Ok(response.into_response());
+        }
+        Ok(None) => return Ok(reject(Rejection::MissingKey)),
+        Err(error) => return Ok(reject(Rejection::InvalidKey(error))),
+    };
+    let Some(scope) = (config.scope)(&parts).filter(|scope| !scope.is_empty()) else {
+        return Ok(reject(Rejection::NoScope));
+    };
+    // Neither is empty: the key was checked, the scope too.
+    let Ok(stored_key) = scoped_key(&scope, &key) else {
+        return Ok(reject(Rejection::NoScope));
+    };
+    let span = tracing::info_span!(
+        "idempotent_http",
+        consumer = %config.consumer,
+        key = %stored_key.digest(),
+        outcome = tracing::field::Empty,
+    );
+    let Some(entered) = shared
+        .in_flight
+        .enter(&config.consumer, stored_key.as_bytes())
+    else {
+        span.in_scope(|| tracing::debug!("a request with this key is in flight here"));
+        return Ok(reject(Rejection::InFlight {
+            retry_after: config.retry_after,
+        }));
+    };
+    // Read whole, to fingerprint it; the handler gets it as it was.
+    let body = match Limited::new(body, config.max_request_body).collect().await {
+        Ok(body) => body.to_bytes(),
+        Err(error) if error.is::<LengthLimitError>() => {
+            return Ok(reject(Rejection::RequestTooLarge {
+                limit: config.max_request_body,
+            }));
+        }
+        Err(error) => return Ok(reject(Rejection::RequestBody(axum_core::Error::new(error)))),
+    };
+    let fingerprint = config.fingerprint.of(&parts, &body);
+    parts.extensions.insert(RequestKey {
+        key,
+        scope,
+        consumer: config.consumer.clone(),
+        stored: stored_key.clone(),
+    });
+    let request = Request::from_parts(parts, Body::from(body));
+    let run = Run {
+        shared: shared.clone(),
+        key: stored_key,
+        fingerprint,
+        _entered: entered,
+    };
+    let task = tokio::spawn(run.run(inner, request).instrument(span));
+    match task.await {
+        Ok(response) => Ok(response),
+        Err(_) => Ok(reject(Rejection::HandlerLost)),
+    }
+}
+
+/// A request whose key is in flight in this process, from its claim to its stored response.
+struct Run<DB: HttpBackend> {
+    shared: Arc<Shared<DB>>,
+    key: MessageKey,
+    fingerprint: [u8; 32],
+    /// The key stays in flight until the run ends.
+    _entered: Entered,
+}
+
+/// How a run ended, besides its response: for the span.
+enum Outcome {
+    Processed,
+    Replayed,
+    NotStored,
+    Refused,
+}
+
+impl<DB: HttpBackend> Run<DB> {
+    async fn run<S>(self, inner: S, request: Request) -> Response
+    where
+        S: tower::Service<Request, Error = Infallible> + Send + 'static,
+        S::Response: IntoResponse,
+        S::Future: Send + 'static,
+    {
+        let ended = match self.shared.config.mode {
+            Mode::Transaction => self.in_transaction(inner, request).await,
+            Mode::Lease(lease) => self.under_lease(inner, request, lease).await,
+        };
+        let (outcome, response) = match ended {
+            Ok(ended) => ended,
+            Err(rejection) => (Outcome::Refused, reject(rejection)),
+        };
+        let outcome = match outcome {
+            Outcome::Processed => "processed",
+            Outcome::Replayed => "replayed",
+            Outcome::NotStored => "not stored",
+            Outcome::Refused => "refused",
+        };
+        tracing::Span::current().record("outcome", outcome);
+        tracing::debug!(status = %response.status(), outcome, "answered");
+        response
+    }
+
+    fn inbox(&self) -> &Inbox<DB> {
+        &self.shared.inbox
+    }
+
+    fn consumer(&self) -> &str {
+        &self.shared.config.consumer
+    }
+
+    /// A transactional route: claim without waiting, run the handler on the claimed transaction,
+    /// and commit its effect with the stored response.
+    async fn in_transaction<S>(
+        &self,
+        mut inner: S,
+        request: Request,
+    ) -> Result<(Outcome, Response), Rejection>
+    where
+        S: tower::Service<Request, Error = Infallible>,
+        S::Response: IntoResponse,
+    {
+        if DB::READ_FIRST
+            && let Some(replay) = self.replay(None).await?
+        {
+            return Ok((Outcome::Replayed, replay));
+        }
+        let (tx, attempt) = self.try_claim().await?;
+        match attempt {
+            Ok(Attempt::Claimed) => {}
+            Ok(Attempt::InFlight) => {
+                let _ = tx.rollback().await;
+                return Err(Rejection::InFlight {
+                    retry_after: self.shared.config.retry_after,
+                });
+            }
+            Ok(Attempt::Committed) => {
+                let session = tx
+                    .rollback()
+                    .await
+                    .map_err(|error| Rejection::Inbox(database_error(Stage::Claim)(error)))?;
+                return match self.replay(Some(session)).await? {
+                    Some(replay) => Ok((Outcome::Replayed, replay)),
+                    // Purged between the claim and the read: as good as in flight.
+                    None => Err(Rejection::InFlight {
+                        retry_after: self.shared.config.retry_after,
+                    }),
+                };
+            }
+            Err(error) => {
+                let _ = tx.rollback().await;
+                return Err(Rejection::Inbox(database_error(Stage::Claim)(error)));
+            }
+        }
+        tracing::debug!("claimed");
+        let slot = Slot::new(Claimed::new(
+            tx,
+            self.consumer(),
+            self.key.clone(),
+            self.inbox(),
+        ));
+        let (mut parts, body) = request.into_parts();
+        parts.extensions.insert(slot.clone());
+        let response = match inner.call(Request::from_parts(parts, body)).await {
+            Ok(response) => response.into_response(),
+            Err(never) => match never {},
+        };
+        let Some(mut claimed) = slot.take() else {
+            // Rolled back when the handler's task drops it.
+            return Err(Rejection::TransactionKept);
+        };
+        let (head, body) = response.into_parts();
+        if !(self.shared.config.store_when)(head.status) {
+            claimed.rollback().await;
+            return Ok((Outcome::NotStored, Response::from_parts(head, body)));
+        }
+        let (stored, body) = match self.read_body(&head, body).await {
+            Ok(read) => read,
+            Err(rejection) => {
+                claimed.rollback().await;
+                return Err(rejection);
+            }
+        };
+        if let Err(error) = claimed.store_response(&stored.encode()).await {
+            claimed.rollback().await;
+            return Err(Rejection::Inbox(error));
+        }
+        claimed.commit().await.map_err(Rejection::Inbox)?;
+        Ok((Outcome::Processed, Response::from_parts(head, body)))
+    }
+
+    /// Begins a transaction and claims the key in it without waiting. A connection whose prepared
+    /// statements a body deallocated (PostgreSQL's `DEALLOCATE ALL`) fails the claim: its driver
+    /// forgets them, and the claim is made again, as the inbox's own claim does.
+    async fn try_claim(
+        &self,
+    ) -> Result<(InboxTransaction<DB>, Result<Attempt, sqlx::Error>), Rejection> {
+        let begin_error = |error| match error {
+            BeginError::Acquire(error) | BeginError::Begin(error) => {
+                Rejection::Inbox(database_error(Stage::Begin)(error))
+            }
+        };
+        let claim_error = |error| Rejection::Inbox(database_error(Stage::Claim)(error));
+        let statements = &self.inbox().config.statements;
+        for attempt in 0..2 {
+            let mut tx = InboxTransaction::begin(self.inbox().resources())
+                .await
+                .map_err(begin_error)?;
+            let claimed = DB::try_insert_key(
+                tx.connection(),
+                statements,
+                self.consumer(),
+                self.key.as_bytes(),
+                &self.fingerprint,
+            )
+            .await;
+            match claimed {
+                Err(error) if attempt == 0 && DB::lost_statement(&error) => {
+                    let mut session = tx.rollback().await.map_err(claim_error)?;
+                    DB::forget_statements(session.start_step())
+                        .await
+                        .map_err(claim_error)?;
+                    session.end_step();
+                }
+                claimed => return Ok((tx, claimed)),
+            }
+        }
+        unreachable!("the second attempt returns")
+    }
+
+    /// A leased route: record the pending call, run the handler, store its response in the inbox
+    /// and end the call, in one transaction.
+    async fn under_lease<S>(
+        &self,
+        mut inner: S,
+        request: Request,
+        lease: Duration,
+    ) -> Result<(Outcome, Response), Rejection>
+    where
+        S: tower::Service<Request, Error = Infallible>,
+        S::Response: IntoResponse,
+    {
+        if let Some(replay) = self.replay(None).await? {
+            return Ok((Outcome::Replayed, replay));
+        }
+        let started = self
+            .inbox()
+            .begin_call::<serde::de::IgnoredAny>(self.consumer(), &self.key, CALL_NAME, lease)
+            .await;
+        let lease = match started {
+            Ok(CallStart::Run(lease)) => lease,
+            // Completed records are this layer's inbox rows, not its calls: someone else's.
+            Ok(CallStart::Completed(_)) => {
+                return match self.replay(None).await? {
+                    Some(replay) => Ok((Outcome::Replayed, replay)),
+                    None => Err(Rejection::InFlight { retry_after: lease }),
+                };
+            }
+            Err(InboxError::CallInProgress { retry_after }) => {
+                // Its response may have been stored since the first read.
+                return match self.replay(None).await? {
+                    Some(replay) => Ok((Outcome::Replayed, replay)),
+                    None => Err(Rejection::InFlight { retry_after }),
+                };
+            }
+            Err(error) => return Err(Rejection::Inbox(error)),
+        };
+        // The first read found nothing, but the request it missed may have completed since: its
+        // completion stores the response and deletes its pending call in one transaction, which
+        // is how this call could be recorded anew. Read again before running the handler.
+        if let Some(replay) = self.replay(None).await? {
+            self.release(lease).await;
+            return Ok((Outcome::Replayed, replay));
+        }
+        tracing::debug!(fence = lease.fence(), "call pending");
+        let response = match inner.call(request).await {
+            Ok(response) => response.into_response(),
+            Err(never) => match never {},
+        };
+        let (head, body) = response.into_parts();
+        if !(self.shared.config.store_when)(head.status) {
+            self.release(lease).await;
+            return Ok((Outcome::NotStored, Response::from_parts(head, body)));
+        }
+        let (stored, body) = match self.read_body(&head, body).await {
+            Ok(read) => read,
+            Err(rejection) => {
+                self.release(lease).await;
+                return Err(rejection);
+            }
+        };
+        // The handler's effect happened: whatever becomes of the record, the client gets its
+        // response.
+        if let Err(error) = self.complete(&stored, lease).await {
+            tracing::warn!(
+                %error,
+                "the response could not be stored; the key stays pending until its lease runs out"
+            );
+            return Ok((Outcome::NotStored, Response::from_parts(head, body)));
+        }
+        Ok((Outcome::Processed, Response::from_parts(head, body)))
+    }
+
+    /// Stores a leased route's response with the key and deletes the pending call, in one
+    /// transaction.
+    async fn complete(&self, stored: &StoredResponse, lease: CallLease) -> Result<(), InboxError> {
+        let options = ClaimOptions {
+            fingerprint: Some(&self.fingerprint),
+            ..ClaimOptions::default()
+        };
+        let claim = self
+            .inbox()
+            .claim_with(self.consumer(), &self.key, options)
+            .await;
+        let mut claimed = match claim {
+            Ok(Claim::New(claimed)) => claimed,
+            // A later attempt (after this one's lease ran out) stored its response first.
+            Ok(Claim::Duplicate { .. }) | Err(InboxError::FingerprintMismatch { .. }) => {
+                tracing::warn!("another attempt stored its response first");
+                self.release(lease).await;
+                return Ok(());
+            }
+            Err(error) => return Err(error),
+        };
+        claimed.store_response(&stored.encode()).await?;
+        let statements = &self.inbox().config.statements;
+        let released =
+            DB::call_release(claimed.connection(), statements, lease.id(), lease.fence())
+                .await
+                .map_err(database_error(Stage::Call))?;
+        claimed.commit().await?;
+        if !released {
+            tracing::warn!(
+                fence = lease.fence(),
+                "the lease had run out and was taken over; this attempt's response is stored"
+            );
+        }
+        Ok(())
+    }
+
+    /// Gives the pending call up, so that a retry runs at once.
+    async fn release(&self, lease: CallLease) {
+        if let Err(error) = self.inbox().release_call(lease).await {
+            tracing::warn!(%error, "the pending call could not be released; it runs out with its lease");
+        }
+    }
+
+    /// Reads the body as far as the route stores it: what is stored, and the body to send.
+    async fn read_body(
+        &self,
+        head: &response::Parts,
+        body: Body,
+    ) -> Result<(StoredResponse, Body), Rejection> {
+        let config = &self.shared.config;
+        let (stored_body, body) = match buffer(body, config.max_stored_body).await {
+            Buffered::Whole(bytes) => (Some(bytes.clone()), Body::from(bytes)),
+            Buffered::Longer(body) => {
+                tracing::debug!(
+                    limit = config.max_stored_body,
+                    "the response body is too long to store; its replays have none"
+                );
+                (None, body)
+            }
+            Buffered::Failed(error) => return Err(Rejection::ResponseBody(error)),
+        };
+        let stored = StoredResponse::new(head, &config.stored_headers, stored_body);
+        Ok((stored, body))
+    }
+
+    /// The replay of the key's stored response, if it has one: `KeyReused` when it was stored
+    /// for a request with another fingerprint. Reads on `session` if given.
+    async fn replay(&self, session: Option<Session<DB>>) -> Result<Option<Response>, Rejection> {
+        let inbox = self.inbox();
+        let inspect = |error| Rejection::Inbox(database_error(Stage::Inspect)(error));
+        let mut session = match session {
+            Some(session) => session,
+            None => Session::take(inbox.source()).await.map_err(inspect)?,
+        };
+        let row = DB::stored(
+            session.start_step(),
+            &inbox.config.statements,
+            self.consumer(),
+            self.key.as_bytes(),
+        )
+        .await
+        .map_err(inspect)?;
+        session.end_step();
+        let Some((response, fingerprint)) = row else {
+            return Ok(None);
+        };
+        if fingerprint.is_some_and(|stored| stored[..] != self.fingerprint[..]) {
+            inbox.metrics.message(
+                self.consumer(),
+                crate::metrics::Outcome::FingerprintMismatch,
+                1,
+            );
+            tracing::info!("the key was used before for another request");
+            return Err(Rejection::KeyReused);
+        }
+        let response = response.ok_or(Rejection::Stored(super::StoredError::Missing))?;
+        let stored = StoredResponse::decode(&response).map_err(Rejection::Stored)?;
+        inbox
+            .metrics
+            .message(self.consumer(), crate::metrics::Outcome::Duplicate, 1);
+        Ok(Some(stored.into_replay()))
+    }
+}
+
+/// The layer's own answer, logged when the server is at fault.
+fn reject(rejection: Rejection) -> Response {
+    if rejection.status().is_server_error() {
+        let mut causes = String::new();
+        let mut source = std::error::Error::source(&rejection);
+        while let Some(cause) = source {
+            causes.push_str(": ");
+            causes.push_str(&cause.to_string());
+            source = cause.source();
+        }
+        tracing::warn!(status = %rejection.status(), "{rejection}{causes}");
+    }
+    rejection.into_response()
+}

@@ -1,0 +1,142 @@
+//! HTTP APIs that accept an `Idempotency-Key` header, as Stripe's do and as the IETF draft
+//! `draft-ietf-httpapi-idempotency-key-header` describes: a [`tower::Layer`] and axum extractors,
+//! on the inbox's tables.
+//!
+//! ```no_run
+//! use axum::{Router, routing::post};
+//! use idempotent_runtime::http::{IdempotencyLayer, IdempotentTx, RequestKey};
+//!
+//! # async fn run(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+//! let inbox = idempotent_runtime::Inbox::new(pool);
+//! inbox.migrate().await?;
+//! // Each client's keys are its own: here the client is an API key's id, which an
+//! // authentication layer before this one put in the request's extensions.
+//! let scope = |parts: &http::request::Parts| parts.extensions.get::<ApiKeyId>().map(|id| id.0.clone());
+//! let payments = IdempotencyLayer::transactional(inbox.clone(), scope);
+//! let _purger = payments.inbox().spawn_purger(Default::default()); // stored responses expire
+//!
+//! let app: Router = Router::new()
+//!     .route("/payments", post(create_payment).layer(payments));
+//! # Ok(()) }
+//! # #[derive(Clone)] struct ApiKeyId(String);
+//!
+//! async fn create_payment(mut tx: IdempotentTx<sqlx::Postgres>, key: RequestKey) -> (http::StatusCode, String) {
+//!     // Runs once per key and client: this insert, the key and the response commit together.
+//!     sqlx::query("INSERT INTO payments (client, amount) VALUES ($1, 100)")
+//!         .bind(key.scope())
+//!         .execute(tx.connection())
+//!         .await
+//!         .expect("a real handler returns an error response");
+//!     (http::StatusCode::CREATED, "paid".into())
+//! }
+//! ```
+//! (The example uses `axum` itself; this crate depends only on its core, `axum-core`, and on
+//! `tower`.)
+//!
+//! # Two kinds of route
+//! - [`IdempotencyLayer::transactional`]: the handler writes to the inbox's database. The layer
+//!   begins a transaction, claims the key in it, and hands it to the handler through the
+//!   [`IdempotentTx`] extractor; after the handler answered, it stores the response in the key's
+//!   inbox row and commits: the effect, the key and the response commit together, or nothing does.
+//! - [`IdempotencyLayer::leased`]: the handler does not touch the inbox's database (it calls a
+//!   payment provider). The layer records the key as a pending call with a lease
+//!   ([`calls`](crate::calls)) in a transaction of its own, runs the handler, then stores the
+//!   response in the key's inbox row and deletes the pending call in one transaction. A handler
+//!   that died mid-way holds the key until its lease runs out; then a retry runs it again, so make
+//!   the outside call idempotent too, with [`RequestKey::idempotency_key`].
+//!
+//! # What a request gets
+//!
+//! | request | answer |
+//! |---|---|
+//! | first with its key (per client) | the handler's response; the response is stored (see below) |
+//! | retry after the first completed, same fingerprint | the stored response, with `Idempotent-Replayed: true`; the handler does not run |
+//! | retry while the first is in flight | `409 Conflict` at once, with `Retry-After` (the rest of the lease, or 1 s on transactional routes) |
+//! | same key, different fingerprint (method, path, query, body by default: [`Fingerprint`]) | `422 Unprocessable Content` |
+//! | no `Idempotency-Key`, on a route that requires one (the default) | `400`, `application/problem+json` |
+//! | a key that is empty, longer than 255 characters, not visible ASCII, or sent twice | `400` |
+//! | the scope function names no client | `400` |
+//! | a body longer than the route reads (2 MiB) | `413` |
+//! | the database fails | `503` with `Retry-After` when retryable, else `500`; nothing committed |
+//!
+//! Every answer of the layer's own is a [`Rejection`], with an `application/problem+json` body
+//! (RFC 9457) whose `code` member names it. A key may be bare (`Idempotency-Key: 8e03978e-40d5`)
+//! or a structured-field string as the IETF draft writes it (`Idempotency-Key: "8e03978e-40d5"`).
+//!
+//! # What is stored, and for how long
+//! Successes, redirects and client errors are stored; server errors are not, so that a retry runs
+//! the handler again ([`stored_by_default`], configurable with
+//! [`store_when`](IdempotencyLayer::store_when)). This is how Stripe documents its keys: a retry
+//! of a request that failed validation gets the same `400`, one of a request that met a server
+//! error runs again. A response that is not stored leaves nothing behind: on a transactional route
+//! its transaction rolls back, effect included; on a leased route the pending call is released.
+//! `408` and `429` are not stored either: they say nothing about the request.
+//!
+//! Stored: the status, the headers in [`DEFAULT_STORED_HEADERS`] (those that describe the body or
+//! point to what the request made, such as `Content-Type` and `Location`; not `Set-Cookie`; add
+//! others with [`store_header`](IdempotencyLayer::store_header)), and the body up to 256 KiB
+//! ([`max_stored_body`](IdempotencyLayer::max_stored_body)). A longer body, or a streamed one
+//! that runs past the limit, goes to the client as it comes, and the response is stored without
+//! it: its replays have the stored status and headers, an empty body and
+//! `Idempotent-Body-Omitted: true`. Trailers are not stored. Stored responses are kept 24 hours
+//! ([`retention`](IdempotencyLayer::retention)) and deleted by the inbox's purge: spawn the
+//! purger from [`IdempotencyLayer::inbox`], which carries that retention.
+//!
+//! Keys are scoped per client: the layer's scope function names the client of each request
+//! (an authenticated principal, an API key's id), and the inbox key is the pair (client, key), so
+//! one client can never receive another's stored response by sending the same key. The rows live
+//! in the inbox table under the consumer name `"http"` ([`consumer`](IdempotencyLayer::consumer)),
+//! with the request's fingerprint in the `fingerprint` column and the response in `response` (in
+//! the format [`stored`] describes).
+//!
+//! # 409 without waiting
+//! A message consumer's claim waits for a concurrent claim of the same key to end; an HTTP client
+//! must not hang on a database lock, so the layer's claims never wait for a twin:
+//! - Twins handled by the same process (by any clone of one layer) are refused before any database
+//!   work: the layer keeps the keys it is handling in memory.
+//! - **PostgreSQL**, twins on other instances: the claim takes a transaction-level advisory lock
+//!   on the key with `pg_try_advisory_xact_lock`, which never waits, and inserts the key only when
+//!   it got the lock, in one statement; a claim that does not get the lock answers `409`. Leased
+//!   routes record their pending call in a statement of its own, which does not wait either.
+//! - **SQLite** allows one writer at a time: any transaction waits for the one before it, twin or
+//!   not. A twin in another process waits like any writer (up to the busy timeout), then finds the
+//!   first request's stored response and replays it, or runs if the first rolled back. Replays are
+//!   read before a transaction begins, so they do not wait for writers.
+//! - MySQL and MariaDB are not supported by the layer yet.
+//!
+//! # When the client goes away
+//! The handler runs in a task of its own: a client that times out or drops its connection does not
+//! cut the handler off. The request is finished and its response stored, and the client's retry
+//! gets `409` until then and the replay after. If the task itself dies (a panic, the runtime
+//! shutting down, the process killed), a transactional route's transaction rolls back, so the
+//! retry runs the handler once; a leased route's key stays pending until its lease runs out, and
+//! then the retry runs the handler once.
+//!
+//! # Observability
+//! Each keyed request runs in a `tracing` span named `idempotent_http` with the fields `consumer`,
+//! `key` (a digest, never the key) and `outcome` (`processed`, `replayed`, `not stored`,
+//! `refused`); the layer's answers for the server's failures are logged at `warn`. In the inbox's
+//! [`metrics`](crate::Inbox::metrics) (shared with the inbox the layer was made from), a committed
+//! response counts in `processed`, a replay in `duplicates`, a reused key in
+//! `fingerprint_mismatches`, a `409` on a leased route in `calls_in_progress`.
+
+mod body;
+mod extract;
+mod fingerprint;
+mod flow;
+mod in_flight;
+mod layer;
+mod problem;
+mod request_key;
+pub mod stored;
+
+pub use crate::store::no_wait::HttpBackend;
+pub use extract::{IdempotentTx, RequestKey};
+pub use fingerprint::Fingerprint;
+pub use layer::{
+    DEFAULT_CONSUMER, DEFAULT_MAX_REQUEST_BODY, DEFAULT_MAX_STORED_BODY, DEFAULT_RETENTION,
+    IdempotencyLayer, Idempotent,
+};
+pub use problem::Rejection;
+pub use request_key::{DEFAULT_MAX_KEY_LEN, IDEMPOTENCY_KEY, KeyRejection};
+pub use stored::{BODY_OMITTED, DEFAULT_STORED_HEADERS, REPLAYED, StoredError, stored_by_default};

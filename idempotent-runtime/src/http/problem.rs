@@ -1,0 +1,218 @@
+//! Why the layer answered instead of the handler, and the `application/problem+json` (RFC 9457)
+//! answers themselves.
+
+use std::time::Duration;
+
+use axum_core::body::Body;
+use axum_core::response::{IntoResponse, Response};
+use http::StatusCode;
+use http::header::{self, HeaderValue};
+
+use super::request_key::KeyRejection;
+use super::stored::StoredError;
+use crate::error::InboxError;
+
+/// Why the HTTP layer (or its extractor) answered a request itself. Each becomes a response with an
+/// `application/problem+json` body (`type`, `title`, `status`, `detail` and a `code` member naming
+/// the variant); see [`status`](Rejection::status) for the status codes.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Rejection {
+    /// The route requires an `Idempotency-Key` and the request has none: `400`.
+    #[error("this route requires an Idempotency-Key header")]
+    MissingKey,
+    /// The `Idempotency-Key` header cannot be used: `400`.
+    #[error("the Idempotency-Key header cannot be used")]
+    InvalidKey(#[source] KeyRejection),
+    /// The route's scope function found no client to scope the key to: `400`. (An authentication
+    /// layer that should have run before this one did not, or the request is anonymous on a route
+    /// whose scope function does not allow that.)
+    #[error("the request does not identify the client its Idempotency-Key belongs to")]
+    NoScope,
+    /// The request body is longer than the route reads to fingerprint it: `413`.
+    #[error("the request body is longer than the {limit} bytes this route accepts")]
+    RequestTooLarge {
+        /// The route's limit, in bytes.
+        limit: usize,
+    },
+    /// The request body could not be read (the client went away, a malformed chunk): `400`.
+    #[error("the request body could not be read")]
+    RequestBody(#[source] axum_core::Error),
+    /// A request with the same key (and client) is being handled: `409`, with `Retry-After`.
+    #[error("a request with this Idempotency-Key is still being handled")]
+    InFlight {
+        /// When to try again: the rest of the other request's lease, or the route's configured
+        /// pause.
+        retry_after: Duration,
+    },
+    /// The key was used before for a request with another fingerprint: `422`.
+    #[error("this Idempotency-Key was used before for a different request")]
+    KeyReused,
+    /// The inbox failed (the database is down, the pool is exhausted, the commit failed): `503`
+    /// with `Retry-After` when the error [is retryable](InboxError::is_retryable), else `500`.
+    /// Nothing was committed, except possibly at [`Stage::Commit`](crate::Stage::Commit), where
+    /// a retry finds out.
+    #[error("the idempotency record could not be read or written")]
+    Inbox(#[source] InboxError),
+    /// The key's stored response could not be read back: `500`.
+    #[error("the stored response of this Idempotency-Key cannot be replayed")]
+    Stored(#[source] StoredError),
+    /// The handler's response body failed before it could be stored; nothing was stored: `500`.
+    #[error("the response failed before it could be stored")]
+    ResponseBody(#[source] axum_core::Error),
+    /// A handler asked for the claimed transaction ([`IdempotentTx`](super::IdempotentTx)) where
+    /// there is none: `500`, a mistake in the server's code.
+    #[error("no claimed transaction for this handler: {0}")]
+    NoTransaction(&'static str),
+    /// A handler asked for the request's key ([`RequestKey`](super::RequestKey)) on a request
+    /// that went through no idempotency layer, or had no key: `500`, a mistake in the server's
+    /// code (take `Option<RequestKey>` on routes whose key is optional).
+    #[error("the request went through no idempotency layer, or had no Idempotency-Key")]
+    NoKey,
+    /// The handler kept the claimed transaction after it answered (it moved it into a task of its
+    /// own): nothing was committed: `500`.
+    #[error("the handler kept the claimed transaction after it answered; nothing was committed")]
+    TransactionKept,
+    /// The handler's task ended without an answer: it panicked, or the runtime is shutting down.
+    /// The transaction rolled back; under a lease the call stays pending until the lease runs out.
+    /// `500`.
+    #[error("the handler ended without an answer")]
+    HandlerLost,
+}
+
+impl Rejection {
+    /// The response's status code.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            Rejection::MissingKey
+            | Rejection::InvalidKey(_)
+            | Rejection::NoScope
+            | Rejection::RequestBody(_) => StatusCode::BAD_REQUEST,
+            Rejection::RequestTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            Rejection::InFlight { .. } => StatusCode::CONFLICT,
+            Rejection::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
+            Rejection::Inbox(error) if error.is_retryable() => StatusCode::SERVICE_UNAVAILABLE,
+            Rejection::Inbox(_)
+            | Rejection::Stored(_)
+            | Rejection::ResponseBody(_)
+            | Rejection::NoTransaction(_)
+            | Rejection::NoKey
+            | Rejection::TransactionKept
+            | Rejection::HandlerLost => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// A stable name for the problem, the body's `code` member.
+    pub fn code(&self) -> &'static str {
+        match self {
+            Rejection::MissingKey => "idempotency_key_missing",
+            Rejection::InvalidKey(_) => "idempotency_key_invalid",
+            Rejection::NoScope => "idempotency_scope_missing",
+            Rejection::RequestTooLarge { .. } => "request_too_large",
+            Rejection::RequestBody(_) => "request_body_unreadable",
+            Rejection::InFlight { .. } => "idempotency_key_in_use",
+            Rejection::KeyReused => "idempotency_key_reused",
+            Rejection::Inbox(_) => "idempotency_store_failed",
+            Rejection::Stored(_) => "idempotency_stored_response_unreadable",
+            Rejection::ResponseBody(_) => "response_body_failed",
+            Rejection::NoTransaction(_) => "idempotency_transaction_unavailable",
+            Rejection::NoKey => "idempotency_key_unavailable",
+            Rejection::TransactionKept => "idempotency_transaction_kept",
+            Rejection::HandlerLost => "handler_lost",
+        }
+    }
+
+    /// How long to wait before a retry, for the answers that say one may succeed.
+    fn retry_after(&self) -> Option<Duration> {
+        match self {
+            Rejection::InFlight { retry_after } => Some(*retry_after),
+            Rejection::Inbox(_) if self.status() == StatusCode::SERVICE_UNAVAILABLE => {
+                Some(Duration::from_secs(1))
+            }
+            _ => None,
+        }
+    }
+
+    /// The body's `detail`: what went wrong, and for a client's mistake, why (the source). A
+    /// server's failure does not show its causes (a database error's text) to the client.
+    fn detail(&self) -> String {
+        let mut detail = self.to_string();
+        if self.status().is_client_error() {
+            let mut source = std::error::Error::source(self);
+            while let Some(cause) = source {
+                detail.push_str(": ");
+                detail.push_str(&cause.to_string());
+                source = cause.source();
+            }
+        }
+        detail
+    }
+}
+
+/// A `Retry-After` value: whole seconds, rounded up, at least 1.
+pub(crate) fn retry_after_seconds(after: Duration) -> HeaderValue {
+    let seconds = after.as_secs() + u64::from(after.subsec_nanos() > 0);
+    HeaderValue::from(seconds.max(1))
+}
+
+impl IntoResponse for Rejection {
+    fn into_response(self) -> Response {
+        let status = self.status();
+        let body = serde_json::json!({
+            "type": "about:blank",
+            "title": status.canonical_reason().unwrap_or("Error"),
+            "status": status.as_u16(),
+            "detail": self.detail(),
+            "code": self.code(),
+        });
+        let mut response = Response::new(Body::from(body.to_string()));
+        *response.status_mut() = status;
+        let headers = response.headers_mut();
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/problem+json"),
+        );
+        if let Some(after) = self.retry_after() {
+            headers.insert(header::RETRY_AFTER, retry_after_seconds(after));
+        }
+        response
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retry_after_rounds_up_to_whole_seconds() {
+        assert_eq!(retry_after_seconds(Duration::ZERO), "1");
+        assert_eq!(retry_after_seconds(Duration::from_millis(1500)), "2");
+        assert_eq!(retry_after_seconds(Duration::from_secs(30)), "30");
+    }
+
+    #[test]
+    fn a_client_mistake_says_why_and_a_server_failure_does_not_say_its_cause() {
+        let invalid = Rejection::InvalidKey(KeyRejection::Empty);
+        assert_eq!(invalid.status(), StatusCode::BAD_REQUEST);
+        assert_eq!(
+            invalid.detail(),
+            "the Idempotency-Key header cannot be used: the Idempotency-Key is empty"
+        );
+        let stored = Rejection::Stored(StoredError::Damaged);
+        assert_eq!(stored.status(), StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!(
+            stored.detail(),
+            "the stored response of this Idempotency-Key cannot be replayed"
+        );
+        let conflict = Rejection::InFlight {
+            retry_after: Duration::from_secs(3),
+        }
+        .into_response();
+        assert_eq!(conflict.status(), StatusCode::CONFLICT);
+        assert_eq!(conflict.headers()[header::RETRY_AFTER], "3");
+        assert_eq!(
+            conflict.headers()[header::CONTENT_TYPE],
+            "application/problem+json"
+        );
+    }
+}

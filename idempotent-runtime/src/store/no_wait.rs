@@ -1,0 +1,158 @@
+//! The HTTP layer's claim: the inbox's claim, except that it never waits for a concurrent claim
+//! of the same key. A message consumer waits for the first delivery's transaction to end, which is
+//! right for a broker; an HTTP client must get `409 Conflict` at once instead.
+//!
+//! - **PostgreSQL**: the claim takes a transaction-level advisory lock on a 64-bit digest of
+//!   (table, consumer, key) with `pg_try_advisory_xact_lock`, which never waits, and inserts the
+//!   key only when it got the lock, in one statement. Every HTTP claim of a key takes its lock
+//!   before it inserts and holds it until its transaction ends, so a claim that gets the lock
+//!   cannot meet an uncommitted insert of the same key (from the HTTP layer), and one that does not
+//!   get it knows a claim is in flight. Nothing fails and nothing is logged on the server, unlike a
+//!   short `lock_timeout`, which would abort the statement with an `ERROR` (the statement and its
+//!   key in the server's log), and whose length would be a guess. Two different keys share a lock
+//!   only if 64 bits of SHA-256 collide; the only cost would be a needless `409`.
+//! - **SQLite**: the transaction already holds the database's write lock (`BEGIN IMMEDIATE`), so no
+//!   other claim can be in flight and the inbox's `INSERT OR IGNORE` cannot wait. What waits is the
+//!   `BEGIN IMMEDIATE`, for whichever writer holds the lock; the HTTP layer keeps twins of its own
+//!   process from getting there (see [`http`](crate::http)).
+//!
+//! MySQL has no claim here yet (InnoDB waits at least a second on a row lock, and `GET_LOCK` is
+//! held by the session, not the transaction).
+
+use std::future::Future;
+
+use super::{Backend, Statements};
+
+/// What a claim that does not wait found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Attempt {
+    /// The key is ours, in the open transaction.
+    Claimed,
+    /// The key was committed before.
+    Committed,
+    /// Another transaction is claiming the key and has not ended.
+    InFlight,
+}
+
+pub(crate) mod sealed {
+    use super::*;
+
+    /// What a backend answers for to serve the HTTP layer.
+    pub trait ClaimWithoutWaiting: Backend {
+        /// Look for a committed row before beginning the transaction: where beginning one waits
+        /// for every other writer (SQLite), a replay should not.
+        const READ_FIRST: bool;
+
+        /// Inserts `(consumer, key, fingerprint)` in the open transaction unless the key is there
+        /// or being claimed, without waiting for another transaction. A prepared statement, like
+        /// the inbox's claim: an error that [`lost_statement`](crate::store::Store::lost_statement)
+        /// recognizes (a body's `DEALLOCATE ALL` on this connection) is repaired by forgetting the
+        /// driver's statements.
+        fn try_insert_key<'a>(
+            conn: &'a mut Self::Connection,
+            statements: &'a Statements,
+            consumer: &'a str,
+            key: &'a [u8],
+            fingerprint: &'a [u8],
+        ) -> impl Future<Output = Result<Attempt, sqlx::Error>> + Send + 'a;
+    }
+}
+
+/// A database the HTTP layer runs on: PostgreSQL (`postgres` feature) and SQLite (`sqlite`).
+/// Sealed.
+pub trait HttpBackend: sealed::ClaimWithoutWaiting {}
+
+#[cfg(feature = "postgres")]
+mod postgres {
+    use sha2::{Digest, Sha256};
+    use sqlx::postgres::PgConnection;
+    use sqlx::{AssertSqlSafe, Postgres};
+
+    use super::{Attempt, HttpBackend, Statements, sealed::ClaimWithoutWaiting};
+
+    /// The lock is taken (once: the CTE is referenced twice, so it is materialized) and the key
+    /// inserted only if it was; the row says which happened.
+    const TRY_CLAIM: &str = "WITH lock AS (SELECT pg_try_advisory_xact_lock($4) AS taken), \
+         claim AS (INSERT INTO {t} (consumer, message_key, fingerprint) \
+                   SELECT $1, $2, $3 FROM lock WHERE taken ON CONFLICT DO NOTHING RETURNING 1) \
+         SELECT (SELECT taken FROM lock), EXISTS (SELECT 1 FROM claim)";
+
+    /// The advisory lock of a key: 64 bits of the SHA-256 of the table, the consumer and the key,
+    /// each length-prefixed.
+    fn lock_of(statements: &Statements, consumer: &str, key: &[u8]) -> i64 {
+        let mut digest = Sha256::new();
+        digest.update(b"idempotent-http-claim");
+        for part in [
+            statements.table_sql("{t}").as_bytes(),
+            consumer.as_bytes(),
+            key,
+        ] {
+            digest.update((part.len() as u64).to_be_bytes());
+            digest.update(part);
+        }
+        let digest = digest.finalize();
+        let mut first = [0; 8];
+        first.copy_from_slice(&digest[..8]);
+        i64::from_be_bytes(first)
+    }
+
+    impl HttpBackend for Postgres {}
+
+    impl ClaimWithoutWaiting for Postgres {
+        const READ_FIRST: bool = false;
+
+        async fn try_insert_key(
+            conn: &mut PgConnection,
+            statements: &Statements,
+            consumer: &str,
+            key: &[u8],
+            fingerprint: &[u8],
+        ) -> Result<Attempt, sqlx::Error> {
+            let (taken, inserted): (bool, bool) =
+                sqlx::query_as(AssertSqlSafe(statements.table_sql(TRY_CLAIM)))
+                    .bind(consumer)
+                    .bind(key)
+                    .bind(fingerprint)
+                    .bind(lock_of(statements, consumer, key))
+                    .fetch_one(conn)
+                    .await?;
+            Ok(match (taken, inserted) {
+                (false, _) => Attempt::InFlight,
+                (true, true) => Attempt::Claimed,
+                (true, false) => Attempt::Committed,
+            })
+        }
+    }
+}
+
+#[cfg(feature = "sqlite")]
+mod sqlite {
+    use sqlx::Sqlite;
+    use sqlx::sqlite::SqliteConnection;
+
+    use super::{Attempt, HttpBackend, Statements, sealed::ClaimWithoutWaiting};
+    use crate::store::Queries;
+
+    impl HttpBackend for Sqlite {}
+
+    impl ClaimWithoutWaiting for Sqlite {
+        const READ_FIRST: bool = true;
+
+        async fn try_insert_key(
+            conn: &mut SqliteConnection,
+            statements: &Statements,
+            consumer: &str,
+            key: &[u8],
+            fingerprint: &[u8],
+        ) -> Result<Attempt, sqlx::Error> {
+            // The transaction holds the write lock: nothing else can be claiming.
+            let inserted =
+                Self::insert_key(conn, statements, consumer, key, Some(fingerprint)).await?;
+            Ok(if inserted {
+                Attempt::Claimed
+            } else {
+                Attempt::Committed
+            })
+        }
+    }
+}
