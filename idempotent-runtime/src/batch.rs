@@ -42,16 +42,31 @@ impl<DB: Backend> ClaimedBatch<DB> {
         Ok(())
     }
 
-    /// Gives up the claim of the message at `index` (its key is `key`), whose body failed and
-    /// whose savepoint was rolled back: the batch commits without it, and a redelivery finds its
-    /// key free.
-    pub(crate) async fn give_up(
+    /// Marks where the body of the message at `index` begins, for [`undo`](Self::undo): a
+    /// savepoint, one round trip, which is never released (the batch's commit commits what
+    /// follows it, and a release would cost a round trip more per message).
+    pub(crate) async fn mark(&mut self, index: usize) -> Result<(), InboxError> {
+        let savepoint = format!("SAVEPOINT idempotent_message_{index}");
+        DB::run(self.tx.connection(), &savepoint)
+            .await
+            .map_err(database_error(Stage::Claim))?;
+        Ok(())
+    }
+
+    /// The body of the message at `index` (its key is `key`) failed: rolls back to its
+    /// [`mark`](Self::mark) and gives up its claim, so that the batch commits without it and a
+    /// redelivery finds its key free.
+    pub(crate) async fn undo(
         &mut self,
         index: usize,
         statements: &crate::store::Statements,
         consumer: &str,
         key: &MessageKey,
     ) -> Result<(), InboxError> {
+        let rollback = format!("ROLLBACK TO SAVEPOINT idempotent_message_{index}");
+        DB::run(self.tx.connection(), &rollback)
+            .await
+            .map_err(database_error(Stage::Claim))?;
         DB::forget_claim(self.tx.connection(), statements, consumer, key.as_bytes())
             .await
             .map_err(database_error(Stage::Claim))?;
@@ -175,8 +190,8 @@ pub type BatchOutcome<T, E> = Result<Handled<T>, Error<E>>;
 
 impl<DB: Backend> Inbox<DB> {
     /// Handles `messages` in one transaction, each with its own outcome: claims all their keys in
-    /// one statement, runs `body` for each message whose key is new, in order, each in a nested
-    /// transaction (a savepoint), and commits once. A body that fails rolls back only its own
+    /// one statement, runs `body` for each message whose key is new, in order, each after a
+    /// savepoint of its own, and commits once. A body that fails rolls back only its own
     /// savepoint and gives up its claim, so its message is not recorded and a redelivery runs it
     /// again, while the others commit: one failing message does not fail, or redeliver, the rest.
     /// Its outcome is [`Error::Transient`] when the database failed under it (found in the error's
@@ -184,7 +199,7 @@ impl<DB: Backend> Inbox<DB> {
     /// [`InboxError::Key`]. The whole call fails only when the batch's claim or commit does: then
     /// nothing of it is recorded.
     ///
-    /// On PostgreSQL each savepoint that writes is a subtransaction: keep batches under 64
+    /// On PostgreSQL each savepoint followed by a write is a subtransaction: keep batches under 64
     /// messages, past which PostgreSQL's snapshots slow down in every session (the
     /// subtransaction cache of a transaction overflows).
     pub async fn handle_batch_each<M, K, T, E, F>(
@@ -199,8 +214,6 @@ impl<DB: Backend> Inbox<DB> {
         E: std::error::Error + 'static,
         F: AsyncFnMut(&mut DB::Connection, &M) -> Result<T, E>,
     {
-        use sqlx::Connection;
-
         let keys: Vec<_> = messages.iter().map(|m| message_key(key(m))).collect();
         let valid: Vec<MessageKey> = keys.iter().filter_map(|k| k.clone().ok()).collect();
         let mut batch = self.claim_batch(consumer, &valid).await?;
@@ -225,29 +238,14 @@ impl<DB: Backend> Inbox<DB> {
                 }));
                 continue;
             }
-            let mut nested = batch
-                .connection()
-                .begin()
-                .await
-                .map_err(database_error(Stage::Claim))?;
-            let outcome = body(&mut nested, message).await;
-            let error = match outcome {
-                Ok(value) => {
-                    nested
-                        .commit()
-                        .await
-                        .map_err(database_error(Stage::Commit))?;
-                    outcomes.push(Ok(Handled::Processed(value)));
-                    continue;
+            batch.mark(index).await?;
+            match body(batch.connection(), message).await {
+                Ok(value) => outcomes.push(Ok(Handled::Processed(value))),
+                Err(error) => {
+                    batch.undo(index, statements, consumer, &key).await?;
+                    outcomes.push(Err(Error::of_body(error, |e| fault_of(e))));
                 }
-                Err(error) => error,
-            };
-            nested
-                .rollback()
-                .await
-                .map_err(database_error(Stage::Commit))?;
-            batch.give_up(index, statements, consumer, &key).await?;
-            outcomes.push(Err(Error::of_body(error, |e| fault_of(e))));
+            }
         }
         batch.commit().await?;
         Ok(outcomes)

@@ -675,10 +675,6 @@ where
     B: BatchBody<DB, T, E>,
     E: std::error::Error + 'static,
 {
-    use sqlx::Connection;
-
-    use crate::store::database_error;
-
     let keys = messages
         .iter()
         .map(|message| crate::key::message_key(&message.message_id))
@@ -695,31 +691,16 @@ where
             }));
             continue;
         }
-        let mut nested = batch
-            .connection()
-            .begin()
-            .await
-            .map_err(database_error(crate::error::Stage::Claim))?;
-        let outcome = worker.body.run(&mut nested, message).await;
-        let error = match outcome {
-            Ok(value) => {
-                nested
-                    .commit()
-                    .await
-                    .map_err(database_error(crate::error::Stage::Commit))?;
-                outcomes.push(Ok(Handled::Processed(value)));
-                continue;
+        batch.mark(index).await?;
+        match worker.body.run(batch.connection(), message).await {
+            Ok(value) => outcomes.push(Ok(Handled::Processed(value))),
+            Err(error) => {
+                batch
+                    .undo(index, &inbox.config.statements, consumer, &key)
+                    .await?;
+                outcomes.push(Err(Error::of_body(error, |e| crate::store::fault_of(e))));
             }
-            Err(error) => error,
-        };
-        nested
-            .rollback()
-            .await
-            .map_err(database_error(crate::error::Stage::Commit))?;
-        batch
-            .give_up(index, &inbox.config.statements, consumer, &key)
-            .await?;
-        outcomes.push(Err(Error::of_body(error, |e| crate::store::fault_of(e))));
+        }
     }
     batch.commit().await?;
     Ok(outcomes)
