@@ -308,6 +308,100 @@ impl Counters {
 pub type BeforeSettle =
     Arc<dyn Fn(&Message, &Route) -> futures_util::future::BoxFuture<'static, ()> + Send + Sync>;
 
+/// What every runner is configured with, whatever its broker.
+pub(crate) struct Options {
+    pub(crate) workers: usize,
+    pub(crate) retry: RetryPolicy,
+    pub(crate) shutdown: Shutdown,
+    pub(crate) counters: Arc<Counters>,
+    pub(crate) before_settle: Option<BeforeSettle>,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self {
+            workers: 1,
+            retry: RetryPolicy::default(),
+            shutdown: Shutdown::new(),
+            counters: Arc::default(),
+            before_settle: None,
+        }
+    }
+}
+
+impl Options {
+    /// What the runner counted so far.
+    pub(crate) fn stats(&self) -> impl Fn() -> RunnerStats + Send + Sync + 'static {
+        let counters = self.counters.clone();
+        move || counters.snapshot()
+    }
+
+    fn settler(&self) -> Arc<Settler> {
+        Arc::new(Settler {
+            policy: self.retry,
+            counters: self.counters.clone(),
+            before: self.before_settle.clone(),
+        })
+    }
+
+    /// A handler from `new_worker` per worker, one delivery at a time: what [`drive`] takes.
+    #[allow(clippy::type_complexity)]
+    pub(crate) fn one_at_a_time<D, F, W, Fut, T, E>(
+        &self,
+        mut new_worker: F,
+    ) -> (
+        Vec<W>,
+        Take,
+        impl FnMut(W, Vec<D>) -> Processed<W> + use<D, F, W, Fut, T, E>,
+    )
+    where
+        D: Delivery,
+        F: FnMut() -> W,
+        W: FnMut(Message) -> Fut + Send + 'static,
+        Fut: Future<Output = Result<Handled<T>, Error<E>>> + Send,
+        T: Send + 'static,
+        E: fmt::Display + Send + 'static,
+    {
+        let workers = (0..self.workers).map(|_| new_worker()).collect();
+        (workers, Take::ONE, one_at_a_time(self.settler()))
+    }
+
+    /// A worker's inbox and a body from `new_body` per worker, `batches` at a time: what
+    /// [`drive`] takes.
+    #[allow(clippy::type_complexity)]
+    pub(crate) fn in_batches<D, DB, F, B, T, E>(
+        &self,
+        inbox: &crate::inbox::Inbox<DB>,
+        consumer: String,
+        batches: Batches,
+        mut new_body: F,
+    ) -> (
+        Vec<BatchWorker<DB, B>>,
+        Take,
+        impl FnMut(BatchWorker<DB, B>, Vec<D>) -> Processed<BatchWorker<DB, B>> + use<D, DB, F, B, T, E>,
+    )
+    where
+        D: Delivery,
+        DB: crate::store::Backend,
+        F: FnMut() -> B,
+        B: BatchBody<DB, T, E>,
+        T: Send + 'static,
+        E: std::error::Error + Send + 'static,
+    {
+        let workers = (0..self.workers)
+            .map(|_| BatchWorker {
+                inbox: inbox.for_worker(),
+                body: new_body(),
+            })
+            .collect();
+        (
+            workers,
+            batches.take(),
+            in_batches(consumer.into(), self.settler()),
+        )
+    }
+}
+
 /// What a runner does with outcomes: its retry policy, its counters, and what it calls before it
 /// settles a delivery.
 pub(crate) struct Settler {

@@ -61,9 +61,8 @@ use async_nats::jetstream::{self, AckKind};
 use futures_util::StreamExt;
 
 use super::{
-    BatchBody, BatchWorker, Batches, BeforeSettle, BrokerError, Counters, Delivery, Message,
-    MessageId, Redelivered, RetryPolicy, Route, RunnerStats, Settler, Shutdown, StreamSequence,
-    Take, drive, in_batches, one_at_a_time,
+    BatchBody, Batches, BeforeSettle, BrokerError, Delivery, Message, MessageId, Options,
+    Redelivered, RetryPolicy, Route, RunnerStats, Shutdown, StreamSequence, Take, drive,
 };
 use crate::error::Error;
 use crate::inbox::{Handled, Inbox};
@@ -83,19 +82,15 @@ pub struct Runner {
     jetstream: jetstream::Context,
     consumer: PullConsumer,
     dead_letters: String,
-    workers: usize,
-    retry: RetryPolicy,
-    shutdown: Shutdown,
-    counters: Arc<Counters>,
-    before_settle: Option<BeforeSettle>,
+    options: Options,
 }
 
 impl fmt::Debug for Runner {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Runner")
             .field("dead_letters", &self.dead_letters)
-            .field("workers", &self.workers)
-            .field("retry", &self.retry)
+            .field("workers", &self.options.workers)
+            .field("retry", &self.options.retry)
             .finish_non_exhaustive()
     }
 }
@@ -112,62 +107,44 @@ impl Runner {
             jetstream,
             consumer,
             dead_letters: dead_letters.into(),
-            workers: 1,
-            retry: RetryPolicy::default(),
-            shutdown: Shutdown::new(),
-            counters: Arc::default(),
-            before_settle: None,
+            options: Options::default(),
         }
     }
 
     /// Runs `workers` handlers at once (and pulls as many messages at a time).
-    pub fn workers(self, workers: usize) -> Self {
-        Self {
-            workers: workers.max(1),
-            ..self
-        }
+    pub fn workers(mut self, workers: usize) -> Self {
+        self.options.workers = workers.max(1);
+        self
     }
 
     /// Retries retryable failures by `policy`.
-    pub fn retry(self, policy: RetryPolicy) -> Self {
-        Self {
-            retry: policy,
-            ..self
-        }
+    pub fn retry(mut self, policy: RetryPolicy) -> Self {
+        self.options.retry = policy;
+        self
     }
 
     /// Stops gracefully when `shutdown` is cancelled.
-    pub fn shutdown_on(self, shutdown: Shutdown) -> Self {
-        Self { shutdown, ..self }
+    pub fn shutdown_on(mut self, shutdown: Shutdown) -> Self {
+        self.options.shutdown = shutdown;
+        self
     }
 
     /// Calls `hook` with each delivery's message and route once its outcome is known, before the
     /// runner settles it (for logging, auditing or tests); the delivery is settled when the hook's
     /// future completes. Deliveries dead-lettered for lack of a message id are not shown to it.
-    pub fn before_settle(self, hook: BeforeSettle) -> Self {
-        Self {
-            before_settle: Some(hook),
-            ..self
-        }
-    }
-
-    fn settler(&self) -> Arc<Settler> {
-        Arc::new(Settler {
-            policy: self.retry,
-            counters: self.counters.clone(),
-            before: self.before_settle.clone(),
-        })
+    pub fn before_settle(mut self, hook: BeforeSettle) -> Self {
+        self.options.before_settle = Some(hook);
+        self
     }
 
     /// What the runner counted so far; the same counters [`run`](Self::run) returns at the end.
     pub fn stats(&self) -> impl Fn() -> RunnerStats + Send + Sync + 'static {
-        let counters = self.counters.clone();
-        move || counters.snapshot()
+        self.options.stats()
     }
 
     /// Consumes until the shutdown token is cancelled (or the consumer's stream fails), with a
     /// handler from `new_worker` per worker. Returns what it counted.
-    pub async fn run<F, W, Fut, T, E>(self, mut new_worker: F) -> Result<RunnerStats, BrokerError>
+    pub async fn run<F, W, Fut, T, E>(self, new_worker: F) -> Result<RunnerStats, BrokerError>
     where
         F: FnMut() -> W,
         W: FnMut(Message) -> Fut + Send + 'static,
@@ -175,9 +152,8 @@ impl Runner {
         T: Send + 'static,
         E: fmt::Display + Send + 'static,
     {
-        let workers = (0..self.workers).map(|_| new_worker()).collect();
-        let process = one_at_a_time(self.settler());
-        self.consume(workers, Take::ONE, process).await
+        let (workers, take, process) = self.options.one_at_a_time(new_worker);
+        self.consume(workers, take, process).await
     }
 
     /// Consumes as [`run`](Self::run) does, handling the deliveries in batches: a worker takes up
@@ -190,7 +166,7 @@ impl Runner {
         inbox: Inbox<DB>,
         consumer: impl Into<String>,
         batches: Batches,
-        mut new_body: F,
+        new_body: F,
     ) -> Result<RunnerStats, BrokerError>
     where
         DB: Backend,
@@ -199,15 +175,10 @@ impl Runner {
         T: Send + 'static,
         E: std::error::Error + Send + 'static,
     {
-        let workers = (0..self.workers)
-            .map(|_| BatchWorker {
-                inbox: inbox.for_worker(),
-                body: new_body(),
-            })
-            .collect();
-        let consumer: String = consumer.into();
-        let process = in_batches(consumer.into(), self.settler());
-        self.consume(workers, batches.take(), process).await
+        let (workers, take, process) =
+            self.options
+                .in_batches(&inbox, consumer.into(), batches, new_body);
+        self.consume(workers, take, process).await
     }
 
     /// Pulls from the consumer and drives the workers.
@@ -232,7 +203,7 @@ impl Runner {
         let mut messages = self
             .consumer
             .stream()
-            .max_messages_per_batch(self.workers * take.most)
+            .max_messages_per_batch(self.options.workers * take.most)
             .messages()
             .await
             .map_err(BrokerError::broker)?;
@@ -244,7 +215,14 @@ impl Runner {
                 })
                 .map_err(BrokerError::broker)
         });
-        let driven = drive(deliveries, self.shutdown.clone(), workers, take, process).await;
+        let driven = drive(
+            deliveries,
+            self.options.shutdown.clone(),
+            workers,
+            take,
+            process,
+        )
+        .await;
         // Pulled but not started: back to JetStream at once.
         while let Ok(Some(Ok(message))) =
             tokio::time::timeout(Duration::from_millis(50), messages.next()).await
@@ -252,7 +230,7 @@ impl Runner {
             let _ = message.ack_with(AckKind::Nak(None)).await;
         }
         driven?;
-        Ok(self.counters.snapshot())
+        Ok(self.options.counters.snapshot())
     }
 }
 

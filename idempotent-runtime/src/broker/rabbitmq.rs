@@ -61,9 +61,8 @@ use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Confirmation};
 
 use super::{
-    BatchBody, BatchWorker, Batches, BeforeSettle, BrokerError, Counters, Delivery, Message,
-    MessageId, Redelivered, RetryPolicy, Route, RunnerStats, Settler, Shutdown, Take, drive,
-    in_batches, one_at_a_time,
+    BatchBody, Batches, BeforeSettle, BrokerError, Delivery, Message, MessageId, Options,
+    Redelivered, RetryPolicy, Route, RunnerStats, Shutdown, Take, drive,
 };
 use crate::error::Error;
 use crate::inbox::{Handled, Inbox};
@@ -84,21 +83,17 @@ pub const QUEUE_HEADER: &str = "x-idempotent-queue";
 pub struct Runner {
     channel: Channel,
     queue: String,
-    workers: usize,
-    retry: RetryPolicy,
     dead_letter_queue: Option<String>,
     consumer_tag: String,
-    shutdown: Shutdown,
-    counters: Arc<Counters>,
-    before_settle: Option<BeforeSettle>,
+    options: Options,
 }
 
 impl fmt::Debug for Runner {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Runner")
             .field("queue", &self.queue)
-            .field("workers", &self.workers)
-            .field("retry", &self.retry)
+            .field("workers", &self.options.workers)
+            .field("retry", &self.options.retry)
             .finish_non_exhaustive()
     }
 }
@@ -110,30 +105,22 @@ impl Runner {
         Self {
             channel,
             queue: queue.into(),
-            workers: 1,
-            retry: RetryPolicy::default(),
             dead_letter_queue: None,
             consumer_tag: String::new(),
-            shutdown: Shutdown::new(),
-            counters: Arc::default(),
-            before_settle: None,
+            options: Options::default(),
         }
     }
 
     /// Runs `workers` handlers at once (and lets as many deliveries be unacknowledged).
-    pub fn workers(self, workers: usize) -> Self {
-        Self {
-            workers: workers.max(1),
-            ..self
-        }
+    pub fn workers(mut self, workers: usize) -> Self {
+        self.options.workers = workers.max(1);
+        self
     }
 
     /// Retries retryable failures by `policy`.
-    pub fn retry(self, policy: RetryPolicy) -> Self {
-        Self {
-            retry: policy,
-            ..self
-        }
+    pub fn retry(mut self, policy: RetryPolicy) -> Self {
+        self.options.retry = policy;
+        self
     }
 
     /// Dead-letters to `queue` instead of `<queue>.dead`.
@@ -145,32 +132,22 @@ impl Runner {
     }
 
     /// Stops gracefully when `shutdown` is cancelled.
-    pub fn shutdown_on(self, shutdown: Shutdown) -> Self {
-        Self { shutdown, ..self }
+    pub fn shutdown_on(mut self, shutdown: Shutdown) -> Self {
+        self.options.shutdown = shutdown;
+        self
     }
 
     /// Calls `hook` with each delivery's message and route once its outcome is known, before the
     /// runner settles it (for logging, auditing or tests); the delivery is settled when the hook's
     /// future completes. Deliveries dead-lettered for lack of a message id are not shown to it.
-    pub fn before_settle(self, hook: BeforeSettle) -> Self {
-        Self {
-            before_settle: Some(hook),
-            ..self
-        }
-    }
-
-    fn settler(&self) -> Arc<Settler> {
-        Arc::new(Settler {
-            policy: self.retry,
-            counters: self.counters.clone(),
-            before: self.before_settle.clone(),
-        })
+    pub fn before_settle(mut self, hook: BeforeSettle) -> Self {
+        self.options.before_settle = Some(hook);
+        self
     }
 
     /// What the runner counted so far; the same counters [`run`](Self::run) returns at the end.
     pub fn stats(&self) -> impl Fn() -> RunnerStats + Send + Sync + 'static {
-        let counters = self.counters.clone();
-        move || counters.snapshot()
+        self.options.stats()
     }
 
     /// The queue dead letters go to.
@@ -187,7 +164,7 @@ impl Runner {
 
     /// Consumes until the queue's consumer ends or the shutdown token is cancelled, with a handler
     /// from `new_worker` per worker. Returns what it counted.
-    pub async fn run<F, W, Fut, T, E>(self, mut new_worker: F) -> Result<RunnerStats, BrokerError>
+    pub async fn run<F, W, Fut, T, E>(self, new_worker: F) -> Result<RunnerStats, BrokerError>
     where
         F: FnMut() -> W,
         W: FnMut(Message) -> Fut + Send + 'static,
@@ -195,9 +172,8 @@ impl Runner {
         T: Send + 'static,
         E: fmt::Display + Send + 'static,
     {
-        let workers = (0..self.workers).map(|_| new_worker()).collect();
-        let process = one_at_a_time(self.settler());
-        self.consume(workers, Take::ONE, process).await
+        let (workers, take, process) = self.options.one_at_a_time(new_worker);
+        self.consume(workers, take, process).await
     }
 
     /// Consumes as [`run`](Self::run) does, handling the deliveries in batches: a worker takes up
@@ -211,7 +187,7 @@ impl Runner {
         inbox: Inbox<DB>,
         consumer: impl Into<String>,
         batches: Batches,
-        mut new_body: F,
+        new_body: F,
     ) -> Result<RunnerStats, BrokerError>
     where
         DB: Backend,
@@ -220,15 +196,10 @@ impl Runner {
         T: Send + 'static,
         E: std::error::Error + Send + 'static,
     {
-        let workers = (0..self.workers)
-            .map(|_| BatchWorker {
-                inbox: inbox.for_worker(),
-                body: new_body(),
-            })
-            .collect();
-        let consumer: String = consumer.into();
-        let process = in_batches(consumer.into(), self.settler());
-        self.consume(workers, batches.take(), process).await
+        let (workers, take, process) =
+            self.options
+                .in_batches(&inbox, consumer.into(), batches, new_body);
+        self.consume(workers, take, process).await
     }
 
     /// Declares the runner's queues, consumes, and drives the workers.
@@ -248,13 +219,13 @@ impl Runner {
             .confirm_select(ConfirmSelectOptions::default())
             .await
             .map_err(BrokerError::broker)?;
-        let prefetch = (self.workers * take.most).min(u16::MAX as usize) as u16;
+        let prefetch = (self.options.workers * take.most).min(u16::MAX as usize) as u16;
         channel
             .basic_qos(prefetch, BasicQosOptions::default())
             .await
             .map_err(BrokerError::broker)?;
-        let delays: BTreeSet<Duration> = (1..self.retry.max_attempts)
-            .map(|attempt| self.retry.delay_after(attempt))
+        let delays: BTreeSet<Duration> = (1..self.options.retry.max_attempts)
+            .map(|attempt| self.options.retry.delay_after(attempt))
             .collect();
         for delay in &delays {
             let mut arguments = FieldTable::default();
@@ -298,7 +269,14 @@ impl Runner {
                 })
                 .map_err(BrokerError::broker)
         });
-        let driven = drive(deliveries, self.shutdown.clone(), workers, take, process).await;
+        let driven = drive(
+            deliveries,
+            self.options.shutdown.clone(),
+            workers,
+            take,
+            process,
+        )
+        .await;
         // No more deliveries: cancel the consumer, and hand back those received but not started.
         let cancelled = channel
             .basic_cancel(tag, BasicCancelOptions::default())
@@ -316,7 +294,7 @@ impl Runner {
             }
         }
         driven?;
-        Ok(self.counters.snapshot())
+        Ok(self.options.counters.snapshot())
     }
 }
 
