@@ -144,7 +144,8 @@ pub(crate) async fn purge<DB: Backend>(
     pause: Duration,
 ) -> Result<PurgeReport, InboxError> {
     let table = scope.table;
-    let Some(lock) = PurgeLock::<DB>::try_lock(source.pool, table)
+    let pooled = scope.statements.pooled;
+    let Some(lock) = PurgeLock::<DB>::try_lock(source.pool, table, pooled)
         .await
         .map_err(database_error(Stage::Purge))?
     else {
@@ -205,9 +206,10 @@ async fn purge_locked<DB: Backend>(
     for (statement, retention_ms, consumers) in &scopes {
         loop {
             let conn = session.start_step();
-            let deleted = DB::purge_batch(conn, statement, *retention_ms, consumers, batch)
-                .await
-                .map_err(database_error(Stage::Purge))?;
+            let deleted =
+                DB::purge_batch(conn, statements, statement, *retention_ms, consumers, batch)
+                    .await
+                    .map_err(database_error(Stage::Purge))?;
             session.end_step();
             report.deleted += deleted;
             report.batches += 1;

@@ -164,10 +164,16 @@ impl<DB: Backend> InboxTransaction<DB> {
         }
         // This session has not prepared the claim: a new connection, or a `DEALLOCATE`.
         let conn = self.session.start_step();
-        DB::prepare_pipelined_claim(conn, settings, statements)
-            .await
-            .map_err(Pipeline::Failed)?;
-        self.session.end_step();
+        match DB::prepare_pipelined_claim(conn, settings, statements).await {
+            Ok(()) => self.session.end_step(),
+            // The session that prepares it has it already, though the one that claimed had not:
+            // a pooler in transaction mode runs each transaction on another session.
+            Err(error) if DB::statement_exists(&error) => {
+                self.session.end_step();
+                return Err(Pipeline::NotSent);
+            }
+            Err(error) => return Err(Pipeline::Failed(error)),
+        }
         match self.begin_pipelined(message).await {
             // Still missing: a pooler in transaction mode moved us to another session.
             Err(Pipeline::Failed(error)) if DB::lost_statement(&error) => Err(Pipeline::NotSent),

@@ -183,6 +183,7 @@ impl Store for MySql {
     async fn try_lock_purge(
         conn: &mut MySqlConnection,
         table: &TableName,
+        _pooled: bool,
     ) -> Result<bool, sqlx::Error> {
         let locked: Option<i64> = sqlx::query_scalar(AssertSqlSafe(format!(
             "SELECT GET_LOCK({PURGE_LOCK_NAME}, 0)"
@@ -196,6 +197,7 @@ impl Store for MySql {
     async fn unlock_purge(
         conn: &mut MySqlConnection,
         table: &TableName,
+        _pooled: bool,
     ) -> Result<(), sqlx::Error> {
         sqlx::query(AssertSqlSafe(format!(
             "SELECT RELEASE_LOCK({PURGE_LOCK_NAME})"

@@ -3,11 +3,16 @@
 //! `Queries` is implemented once, for every database whose driver can run them; [`Backend`]
 //! requires it, so code generic over a backend calls these without repeating the driver's bounds.
 //!
+//! Behind a pooler in transaction mode ([`Statements::pooled`]) every statement here is sent
+//! unprepared, and those that run outside a handler's transaction (the reads, the purge batches,
+//! the steps of a call) run in a transaction of their own.
+//!
 //! [`Backend`]: super::Backend
 
 use std::future::Future;
 
 use sqlx::{AssertSqlSafe, Database, Decode, Encode, Executor, Type};
+use sqlx_core::transaction::TransactionManager;
 
 use super::private::Store;
 use super::statements::{CallId, CallRow, Statements, StoredRow};
@@ -45,7 +50,7 @@ pub trait Queries: Store {
         response: &'a [u8],
     ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a;
 
-    /// The committed row of `(consumer, key)`, if any.
+    /// The committed row of `(consumer, key)`, if any. Runs outside a handler's transaction.
     fn stored<'a>(
         conn: &'a mut Self::Connection,
         statements: &'a Statements,
@@ -53,9 +58,11 @@ pub trait Queries: Store {
         key: &'a [u8],
     ) -> impl Future<Output = Result<Option<StoredRow>, sqlx::Error>> + Send + 'a;
 
-    /// Deletes one batch of expired rows with `statement` (see [`Statements::purge`]).
+    /// Deletes one batch of expired rows with `statement` (see [`Statements::purge`]), in a
+    /// transaction of its own.
     fn purge_batch<'a>(
         conn: &'a mut Self::Connection,
+        statements: &'a Statements,
         statement: &'a str,
         retention_ms: i64,
         consumers: &'a [String],
@@ -119,6 +126,40 @@ rows_affected!(
     "mysql" => sqlx::mysql::MySqlQueryResult
 );
 
+/// Begins the transaction of its own that a statement outside a handler's transaction runs in
+/// behind a pooler in transaction mode; nothing otherwise.
+async fn begin_alone<DB: Database>(
+    conn: &mut DB::Connection,
+    statements: &Statements,
+) -> Result<(), sqlx::Error> {
+    if statements.pooled {
+        <DB as Database>::TransactionManager::begin(conn, None).await?;
+    }
+    Ok(())
+}
+
+/// Ends what [`begin_alone`] began: commits after `outcome` succeeded, rolls back after it failed.
+async fn end_alone<DB: Database, T>(
+    conn: &mut DB::Connection,
+    statements: &Statements,
+    outcome: Result<T, sqlx::Error>,
+) -> Result<T, sqlx::Error> {
+    if !statements.pooled {
+        return outcome;
+    }
+    match outcome {
+        Ok(value) => {
+            <DB as Database>::TransactionManager::commit(conn).await?;
+            Ok(value)
+        }
+        Err(error) => {
+            // On a failed rollback the caller closes the connection, which ends the transaction.
+            <DB as Database>::TransactionManager::rollback(conn).await?;
+            Err(error)
+        }
+    }
+}
+
 impl<DB> Queries for DB
 where
     DB: Store,
@@ -152,6 +193,7 @@ where
         fingerprint: Option<&[u8]>,
     ) -> Result<bool, sqlx::Error> {
         let done = sqlx::query(AssertSqlSafe(statements.claim.clone()))
+            .persistent(!statements.pooled)
             .bind(consumer)
             .bind(key)
             .bind(fingerprint)
@@ -168,6 +210,7 @@ where
         response: &[u8],
     ) -> Result<(), sqlx::Error> {
         sqlx::query(AssertSqlSafe(statements.set_response.clone()))
+            .persistent(!statements.pooled)
             .bind(response)
             .bind(consumer)
             .bind(key)
@@ -182,25 +225,34 @@ where
         consumer: &str,
         key: &[u8],
     ) -> Result<Option<StoredRow>, sqlx::Error> {
-        sqlx::query_as(AssertSqlSafe(statements.stored.clone()))
+        begin_alone::<DB>(conn, statements).await?;
+        let row = sqlx::query_as(AssertSqlSafe(statements.stored.clone()))
+            .persistent(!statements.pooled)
             .bind(consumer)
             .bind(key)
-            .fetch_optional(conn)
-            .await
+            .fetch_optional(&mut *conn)
+            .await;
+        end_alone::<DB, _>(conn, statements, row).await
     }
 
     async fn purge_batch(
         conn: &mut DB::Connection,
+        statements: &Statements,
         statement: &str,
         retention_ms: i64,
         consumers: &[String],
         batch: i64,
     ) -> Result<u64, sqlx::Error> {
-        let mut query = sqlx::query(AssertSqlSafe(statement.to_owned())).bind(retention_ms);
+        let mut query = sqlx::query(AssertSqlSafe(statement.to_owned()))
+            .persistent(!statements.pooled)
+            .bind(retention_ms);
         for consumer in consumers {
             query = query.bind(consumer.as_str());
         }
-        Ok(query.bind(batch).execute(conn).await?.rows())
+        begin_alone::<DB>(conn, statements).await?;
+        let done = query.bind(batch).execute(&mut *conn).await;
+        let done = end_alone::<DB, _>(conn, statements, done).await?;
+        Ok(done.rows())
     }
 
     async fn call_insert(
@@ -209,13 +261,16 @@ where
         id: CallId<'_>,
         lease_ms: i64,
     ) -> Result<bool, sqlx::Error> {
+        begin_alone::<DB>(conn, statements).await?;
         let done = sqlx::query(AssertSqlSafe(statements.call_insert.clone()))
+            .persistent(!statements.pooled)
             .bind(id.consumer)
             .bind(id.key)
             .bind(id.name)
             .bind(lease_ms)
-            .execute(conn)
-            .await?;
+            .execute(&mut *conn)
+            .await;
+        let done = end_alone::<DB, _>(conn, statements, done).await?;
         Ok(done.rows() == 1)
     }
 
@@ -224,12 +279,15 @@ where
         statements: &Statements,
         id: CallId<'_>,
     ) -> Result<Option<CallRow>, sqlx::Error> {
-        sqlx::query_as(AssertSqlSafe(statements.call_read.clone()))
+        begin_alone::<DB>(conn, statements).await?;
+        let row = sqlx::query_as(AssertSqlSafe(statements.call_read.clone()))
+            .persistent(!statements.pooled)
             .bind(id.consumer)
             .bind(id.key)
             .bind(id.name)
-            .fetch_optional(conn)
-            .await
+            .fetch_optional(&mut *conn)
+            .await;
+        end_alone::<DB, _>(conn, statements, row).await
     }
 
     async fn call_take_over(
@@ -239,14 +297,17 @@ where
         fence: i64,
         lease_ms: i64,
     ) -> Result<bool, sqlx::Error> {
+        begin_alone::<DB>(conn, statements).await?;
         let done = sqlx::query(AssertSqlSafe(statements.call_take_over.clone()))
+            .persistent(!statements.pooled)
             .bind(lease_ms)
             .bind(id.consumer)
             .bind(id.key)
             .bind(id.name)
             .bind(fence)
-            .execute(conn)
-            .await?;
+            .execute(&mut *conn)
+            .await;
+        let done = end_alone::<DB, _>(conn, statements, done).await?;
         Ok(done.rows() == 1)
     }
 
@@ -257,14 +318,17 @@ where
         fence: i64,
         result: &[u8],
     ) -> Result<bool, sqlx::Error> {
+        begin_alone::<DB>(conn, statements).await?;
         let done = sqlx::query(AssertSqlSafe(statements.call_complete.clone()))
+            .persistent(!statements.pooled)
             .bind(result)
             .bind(id.consumer)
             .bind(id.key)
             .bind(id.name)
             .bind(fence)
-            .execute(conn)
-            .await?;
+            .execute(&mut *conn)
+            .await;
+        let done = end_alone::<DB, _>(conn, statements, done).await?;
         Ok(done.rows() == 1)
     }
 }

@@ -51,6 +51,13 @@ pub struct Statements {
     pub(crate) call_read: Arc<str>,
     pub(crate) call_take_over: Arc<str>,
     pub(crate) call_complete: Arc<str>,
+    /// A pooler in transaction mode (PgBouncer's `pool_mode = transaction`) sits between the inbox
+    /// and the database, and hands each transaction whichever server session is free. So the
+    /// inbox's statements are not prepared (a prepared statement lives in one server session, and
+    /// sqlx names them alike on every connection), and those it runs outside a handler's
+    /// transaction run in a transaction of their own: outside a transaction the pooler may send a
+    /// statement's parse and its execution to two different sessions.
+    pub(crate) pooled: bool,
 }
 
 /// Numbers placeholders as the dialect wants them.
@@ -154,7 +161,14 @@ impl Statements {
             call_read: call_read.into(),
             call_take_over: call_take_over.into(),
             call_complete: call_complete.into(),
+            pooled: false,
         }
+    }
+
+    /// These statements, sent as behind a pooler in transaction mode or not (see
+    /// [`pooled`](Self::pooled)).
+    pub(crate) fn with_pooling(self, pooled: bool) -> Self {
+        Self { pooled, ..self }
     }
 
     /// `template` with `{t}` replaced by the quoted table name.

@@ -1,0 +1,332 @@
+//! The inbox behind PgBouncer 1.18 in transaction mode (`IDEMPOTENT_PGBOUNCER_URL`, which
+//! `scripts/pgbouncer start` sets): the conformance suite through it, what sqlx's statements do
+//! there, the start-up check that refuses an inbox not told about the pooler, the pipelined claim's
+//! fallback, and the purger's lock.
+//!
+//! PgBouncer in transaction mode hands each transaction whichever server session is free, and
+//! 1.18 keeps no prepared statements for its clients. What that does to sqlx 0.9, as these tests
+//! show: a statement sqlx prepares is named `sqlx_s_<n>` on every connection alike and, with a
+//! statement cache, reused in later transactions, on other sessions (SQLSTATE 26000 "does not
+//! exist", 42P05 "already exists"); without a cache (`statement_cache_capacity(0)`) it is still
+//! named, and left behind on the session; and outside a transaction its parse and its execution
+//! are two requests that PgBouncer may send to two sessions. What works: statements inside a
+//! transaction, from a pool without a statement cache, with PgBouncer resetting every session
+//! after each transaction (`server_reset_query_always = 1`), or statements sent unprepared
+//! (`.persistent(false)`) inside a transaction with any settings.
+#![cfg(feature = "postgres")]
+
+mod conformance;
+mod support;
+
+use std::time::Duration;
+
+use idempotent::{Handled, Inbox, InboxError};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use support::postgres::{PgHarness, pgbouncer_urls};
+use support::{Consumer, Delivery, Harness};
+
+conformance::conformance_tests!(@cases PgHarness::through_pgbouncer().await;
+    duplicate_delivery_runs_the_body_once
+    handler_error_leaves_no_inbox_row_and_the_redelivery_runs
+    handler_that_always_fails_is_never_marked_done
+    panicking_body_commits_nothing
+    cancelled_call_commits_nothing
+    nested_transactions_in_the_body_are_savepoints
+    concurrent_deliveries_have_one_effect
+    claim_waits_for_an_uncommitted_claim_then_sees_its_commit
+    claim_waits_for_an_uncommitted_claim_then_runs_after_its_rollback
+    claim_dropped_while_it_waits_leaves_nothing_open
+    claim_that_waits_too_long_fails_retryably_and_commits_nothing
+    several_waiters_released_by_a_rollback_have_one_effect
+    two_consumers_each_process_the_message_once
+    empty_key_is_refused_before_any_effect
+    odd_keys_are_handled_once_each
+    migrate_is_idempotent_and_concurrent_safe
+    purge_deletes_expired_rows_in_batches_while_claims_continue
+    retention_is_per_consumer
+    message_redelivered_after_its_row_was_purged_is_processed_again
+    background_purger_deletes_expired_rows
+    duplicate_returns_the_stored_response
+    same_key_with_a_different_payload_is_an_error
+    body_is_handed_a_stable_idempotency_key
+    metrics_count_what_happened
+    call_once_calls_once_and_returns_the_stored_result
+    dropped_call_is_in_progress_until_its_lease_expires_then_taken_over
+    late_writer_is_fenced_off
+    concurrent_call_attempts_make_one_call
+    batch_runs_the_body_only_for_new_keys
+    failing_body_rolls_back_the_whole_batch
+    overlapping_concurrent_batches_have_one_effect_each
+    body_that_swallows_a_failed_statement_is_never_processed_without_its_commit
+    body_that_ends_the_transaction_is_never_reported_processed
+    handler_dropped_at_every_await_point_leaves_a_pool_of_one_working
+    worker_inbox_on_a_pool_of_one_reads_on_its_own_connection
+    bad_names_and_leases_are_refused_before_any_database_work
+    completing_a_call_twice_says_what_happened
+);
+
+/// The one conformance case that does not hold through a pooler in transaction mode, run to show
+/// how: a worker's inbox keeps its *client* connection between messages (which saves sqlx's pool
+/// checks), but PgBouncer gives each transaction whichever server session is free, so what a
+/// session keeps (here a temporary table) is not there in the next transaction.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[should_panic(expected = "the worker's inbox did not keep its connection")]
+async fn worker_inbox_keeps_its_client_connection_but_not_a_server_session() {
+    conformance::worker_inbox_keeps_its_connection_between_messages(
+        PgHarness::through_pgbouncer().await,
+    )
+    .await;
+}
+
+/// A pool through PgBouncer, to the test's database.
+fn bouncer_pool(h: &PgHarness, connections: u32, cache: Option<usize>) -> sqlx::PgPool {
+    let (bouncer, _) = pgbouncer_urls();
+    let mut options: PgConnectOptions = bouncer.parse().unwrap();
+    options = options.database(&h.schema);
+    if let Some(capacity) = cache {
+        options = options.statement_cache_capacity(capacity);
+    }
+    PgPoolOptions::new()
+        .max_connections(connections)
+        .acquire_timeout(Duration::from_secs(10))
+        .connect_lazy_with(options)
+}
+
+/// SQLSTATEs of the failures of `runs` concurrent runs of `statement` on `pool`; `in_transaction`
+/// runs each inside a transaction. Every success must return the right value: a statement run on
+/// a session where another client's statement of the same name lives would not.
+async fn sqlstates(
+    pool: &sqlx::PgPool,
+    persistent: bool,
+    in_transaction: bool,
+) -> std::collections::BTreeMap<String, usize> {
+    let runs = futures::future::join_all((0..8i64).map(|worker| async move {
+        let mut failures = Vec::new();
+        for i in 0..50i64 {
+            let run = async {
+                let query = sqlx::query_scalar::<_, i64>("SELECT $1::int8 * 1000 + $2::int8")
+                    .bind(worker)
+                    .bind(i)
+                    .persistent(persistent);
+                if in_transaction {
+                    let mut tx = pool.begin().await?;
+                    let value = query.fetch_one(&mut *tx).await?;
+                    tx.commit().await?;
+                    Ok(value)
+                } else {
+                    query.fetch_one(pool).await
+                }
+            };
+            match run.await {
+                Ok(value) => assert_eq!(value, worker * 1000 + i),
+                Err(error) => failures.push(error),
+            }
+        }
+        failures
+    }))
+    .await;
+    let mut states = std::collections::BTreeMap::new();
+    for error in runs.into_iter().flatten() {
+        assert!(
+            idempotent::is_retryable(&error),
+            "a lost or clashing statement must be retryable: {error:?}"
+        );
+        let state = error
+            .as_database_error()
+            .and_then(|e| e.code())
+            .map_or_else(|| format!("{error}"), |c| c.into_owned());
+        *states.entry(state).or_insert(0) += 1;
+    }
+    states
+}
+
+/// What sqlx's statements do through PgBouncer 1.18 in transaction mode with the settings of
+/// `scripts/pgbouncer` (`server_reset_query_always = 1`): with a statement cache, a statement is
+/// prepared in one transaction and missing in the next; without one, statements inside a
+/// transaction work, prepared or not; outside a transaction every statement with parameters fails,
+/// cleanly (26000), and never runs another client's statement. Either failure is retryable and
+/// closes the connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlx_statements_through_pgbouncer_in_transaction_mode() {
+    let h = PgHarness::through_pgbouncer().await;
+    let cached = bouncer_pool(&h, 8, None);
+    let in_tx = sqlstates(&cached, true, true).await;
+    assert!(in_tx.contains_key("26000"), "{in_tx:?}");
+
+    let uncached = bouncer_pool(&h, 8, Some(0));
+    for persistent in [true, false] {
+        let in_tx = sqlstates(&uncached, persistent, true).await;
+        assert!(in_tx.is_empty(), "persistent {persistent}: {in_tx:?}");
+        let outside = sqlstates(&uncached, persistent, false).await;
+        assert_eq!(
+            outside.keys().collect::<Vec<_>>(),
+            ["26000"],
+            "persistent {persistent}: {outside:?}"
+        );
+        assert_eq!(outside["26000"], 400, "persistent {persistent}: {outside:?}");
+    }
+}
+
+/// An inbox whose pool goes through PgBouncer in transaction mode, but which was not told so,
+/// refuses to start: `migrate()` finds the pooler and says what to do, instead of letting claims
+/// fail message by message. Told (`with_transaction_pooling()`), it migrates; on a direct
+/// connection the check finds nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_inbox_not_told_about_the_pooler_refuses_to_start() {
+    let h = PgHarness::through_pgbouncer().await;
+    for cache in [None, Some(0)] {
+        let inbox = Inbox::new(bouncer_pool(&h, 4, cache));
+        let error = inbox.migrate().await.unwrap_err();
+        assert!(
+            matches!(error, InboxError::TransactionPooling),
+            "{error:?}"
+        );
+        assert!(!error.is_retryable());
+        assert!(
+            error.to_string().contains("with_transaction_pooling()"),
+            "{error}"
+        );
+        inbox.with_transaction_pooling().migrate().await.unwrap();
+    }
+    Inbox::new(h.pool.clone()).migrate().await.unwrap();
+}
+
+/// The pipelined claim's statement is prepared by each session with `PREPARE`; behind the pooler
+/// the next transaction runs on a session reset since, so the claim falls back to the quiet claim
+/// message by message (after two errors, which the server logs). Told about the pooler, the inbox
+/// sends the quiet claim straight away. Either way each message has its effect once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_pipelined_claim_falls_back_to_the_quiet_claim_per_message() {
+    let h = PgHarness::through_pgbouncer().await;
+    let fallback = Inbox::new(bouncer_pool(&h, 4, Some(0))).with_pipelined_claim();
+    let told = fallback.clone().with_transaction_pooling();
+    for (inbox, prefix) in [(&fallback, "fallback"), (&told, "told")] {
+        for i in 0..20 {
+            let msg = Delivery::new(&format!("{prefix}-{i}"));
+            let first = h.deliver_on(inbox, Consumer::Orders, &msg).await.unwrap();
+            assert!(first.is_processed(), "{first:?}");
+            let again = h.deliver_on(inbox, Consumer::Orders, &msg).await.unwrap();
+            assert!(again.is_duplicate(), "{again:?}");
+        }
+    }
+    let counts = h.effect_counts("orders").await;
+    assert_eq!(counts.len(), 40);
+    assert!(counts.values().all(|&n| n == 1), "{counts:?}");
+}
+
+/// What a session's advisory lock (the purger's lock on a direct connection) does through the
+/// pooler: the server session it was taken on is reset after the statement's transaction, which
+/// releases it at once. So behind the pooler the purger takes a transaction's lock instead and
+/// keeps that transaction open while it purges: another instance is locked out for the purge's
+/// length, the lock is gone when it ends, and a purge dropped half-way (its client connection
+/// closed, so PgBouncer closes the server session it had) leaves no lock behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_purgers_lock_holds_through_the_pooler() {
+    const DAY: Duration = Duration::from_secs(24 * 60 * 60);
+    const LOCK: &str = "1768453, coalesce(to_regclass('\"idempotent_inbox\"')::oid::int, 0)";
+    let h = PgHarness::through_pgbouncer().await;
+    let direct_lock_is_free = async || {
+        let mut conn = h.pool.acquire().await.unwrap();
+        let free: bool = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "SELECT pg_try_advisory_lock({LOCK})"
+        )))
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap();
+        if free {
+            sqlx::query(sqlx::AssertSqlSafe(format!(
+                "SELECT pg_advisory_unlock({LOCK})"
+            )))
+            .execute(&mut *conn)
+            .await
+            .unwrap();
+        }
+        free
+    };
+
+    // A session's lock, taken through the pooler: gone as soon as the statement's transaction
+    // ended and PgBouncer reset its session.
+    let through = bouncer_pool(&h, 2, Some(0));
+    let mut conn = through.acquire().await.unwrap();
+    let taken: bool = sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "SELECT pg_try_advisory_lock({LOCK})"
+    )))
+    .fetch_one(&mut *conn)
+    .await
+    .map(|row| sqlx::Row::get(&row, 0))
+    .unwrap();
+    assert!(taken);
+    assert!(
+        direct_lock_is_free().await,
+        "a session's lock survived its transaction behind the pooler"
+    );
+    drop(conn);
+
+    // The purger's lock: another instance's purge skips while a purge runs, for its whole length.
+    h.bulk_rows("old", 2000).await;
+    h.backdate("old", 30 * DAY).await;
+    let other = Inbox::new(bouncer_pool(&h, 2, Some(0))).with_transaction_pooling();
+    let slow = h.inbox.purge_expired(1);
+    let watcher = async {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let mut skipped = 0;
+        for _ in 0..3 {
+            assert!(!direct_lock_is_free().await, "the purger's lock is not held");
+            let report = other.purge_expired(100).await.unwrap();
+            assert!(report.locked_elsewhere, "{report:?}");
+            skipped += 1;
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        skipped
+    };
+    let cut = tokio::time::timeout(Duration::from_secs(60), async {
+        tokio::join!(slow, watcher)
+    })
+    .await
+    .expect("the slow purge hung");
+    let (report, skipped) = cut;
+    assert_eq!(report.unwrap().deleted, 2000);
+    assert_eq!(skipped, 3);
+    assert!(direct_lock_is_free().await, "the purge kept its lock");
+
+    // Dropped half-way: PgBouncer closes the server session of a client gone mid-transaction.
+    h.bulk_rows("older", 3000).await;
+    h.backdate("older", 30 * DAY).await;
+    let cut = tokio::time::timeout(Duration::from_millis(300), h.inbox.purge_expired(1)).await;
+    assert!(cut.is_err(), "the purge finished before it could be dropped");
+    let mut free = false;
+    for _ in 0..50 {
+        free = direct_lock_is_free().await;
+        if free {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(free, "the dropped purge left its lock behind");
+    let report = other.purge_expired(1000).await.unwrap();
+    assert!(!report.locked_elsewhere, "{report:?}");
+    assert_eq!(h.inbox_rows().await, 0);
+}
+
+/// A worker's inbox through the pooler: messages one after another on one kept client
+/// connection, a failing body, a duplicate's stored response, all as on a direct connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_behind_the_pooler_handles_messages_one_after_another() {
+    let h = PgHarness::through_pgbouncer().await;
+    let worker = h.inbox.for_worker();
+    for i in 0..30 {
+        let msg = Delivery::new(&format!("w-{i}"));
+        assert!(
+            h.deliver_on(&worker, Consumer::Orders, &msg)
+                .await
+                .unwrap()
+                .is_processed()
+        );
+        let quote = h.deliver_quote_on(&worker, &msg).await.unwrap();
+        assert_eq!(quote, Handled::Processed(format!("quote for w-{i}")));
+        let again = h.deliver_quote_on(&worker, &msg).await.unwrap();
+        assert_eq!(again.value(), Some(format!("quote for w-{i}")));
+    }
+    assert_eq!(h.effect_counts("orders").await.len(), 30);
+    assert_eq!(h.effect_counts("quotes").await.len(), 30);
+}
