@@ -163,7 +163,10 @@ async fn sqlx_statements_through_pgbouncer_in_transaction_mode() {
             ["26000"],
             "persistent {persistent}: {outside:?}"
         );
-        assert_eq!(outside["26000"], 400, "persistent {persistent}: {outside:?}");
+        assert_eq!(
+            outside["26000"], 400,
+            "persistent {persistent}: {outside:?}"
+        );
     }
 }
 
@@ -177,10 +180,7 @@ async fn an_inbox_not_told_about_the_pooler_refuses_to_start() {
     for cache in [None, Some(0)] {
         let inbox = Inbox::new(bouncer_pool(&h, 4, cache));
         let error = inbox.migrate().await.unwrap_err();
-        assert!(
-            matches!(error, InboxError::TransactionPooling),
-            "{error:?}"
-        );
+        assert!(matches!(error, InboxError::TransactionPooling), "{error:?}");
         assert!(!error.is_retryable());
         assert!(
             error.to_string().contains("with_transaction_pooling()"),
@@ -271,7 +271,10 @@ async fn the_purgers_lock_holds_through_the_pooler() {
         tokio::time::sleep(Duration::from_millis(200)).await;
         let mut skipped = 0;
         for _ in 0..3 {
-            assert!(!direct_lock_is_free().await, "the purger's lock is not held");
+            assert!(
+                !direct_lock_is_free().await,
+                "the purger's lock is not held"
+            );
             let report = other.purge_expired(100).await.unwrap();
             assert!(report.locked_elsewhere, "{report:?}");
             skipped += 1;
@@ -293,7 +296,10 @@ async fn the_purgers_lock_holds_through_the_pooler() {
     h.bulk_rows("older", 3000).await;
     h.backdate("older", 30 * DAY).await;
     let cut = tokio::time::timeout(Duration::from_millis(300), h.inbox.purge_expired(1)).await;
-    assert!(cut.is_err(), "the purge finished before it could be dropped");
+    assert!(
+        cut.is_err(),
+        "the purge finished before it could be dropped"
+    );
     let mut free = false;
     for _ in 0..50 {
         free = direct_lock_is_free().await;

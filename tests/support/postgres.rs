@@ -55,7 +55,14 @@ impl PgHarness {
         let impatient = PgPoolOptions::new()
             .max_connections(2)
             .connect_lazy_with(options.options([("lock_timeout", "300ms")]));
-        Self::set_up(Inbox::new(pool.clone()), Inbox::new(impatient), pool, schema, false).await
+        Self::set_up(
+            Inbox::new(pool.clone()),
+            Inbox::new(impatient),
+            pool,
+            schema,
+            false,
+        )
+        .await
     }
 
     /// A harness whose inboxes reach PostgreSQL through PgBouncer in transaction mode
