@@ -25,8 +25,9 @@ use sqlx::{AssertSqlSafe, Database, SqlSafeStr};
 use sqlx_core::transaction::TransactionManager;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
+use crate::error::Fault;
 use crate::session::{Session, Source};
-use crate::store::{Backend, Ending, Statements};
+use crate::store::{Backend, Ending, Statements, fault_of};
 
 /// How long a transaction waits in the writers' queue before it goes on to the database's lock.
 const WRITERS_QUEUE_PATIENCE: Duration = Duration::from_secs(5);
@@ -102,8 +103,15 @@ impl<DB: Backend> InboxTransaction<DB> {
                 .map(ClaimOutcome::Duplicate)
                 .map_err(BeginError::Begin),
             Err(error) => {
-                // A lock timeout, a deadlock: end what is open, keep the connection if that works.
-                let _ = tx.rollback().await;
+                if fault_of(&error) == Fault::Broken {
+                    // The connection cannot serve the next claim either (a standby's read-only
+                    // session, statements it lost): closed, as after a body's such error.
+                    tx.rollback_and_close().await;
+                } else {
+                    // A lock timeout, a deadlock: end what is open, keep the connection if that
+                    // works.
+                    let _ = tx.rollback().await;
+                }
                 Err(BeginError::Begin(error))
             }
         }

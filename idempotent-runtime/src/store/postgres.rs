@@ -369,14 +369,16 @@ fn sqlstate(error: &sqlx::Error) -> Option<&str> {
 /// statement timeout, too many connections, the server starting up and a transaction aborted by an
 /// earlier failure (25P02, as [`InboxError::TransactionAborted`](crate::InboxError)) are
 /// transient; the server
-/// shutting down, every connection exception (class 08) and a prepared statement the session lost or
+/// shutting down, every connection exception (class 08), a prepared statement the session lost or
 /// unexpectedly has (26000, 42P05: sqlx's statement cache cannot recover from either; behind a
-/// pooler in transaction mode that the inbox was not told about, the session changed under it)
+/// pooler in transaction mode that the inbox was not told about, the session changed under it) and
+/// a write refused as read-only (25006: the session is on a standby, such as a failed primary
+/// brought back as one, or a standby not yet promoted; another connection may reach the primary)
 /// break the connection.
 fn fault_of_code(code: &str) -> Fault {
     match code {
         "40001" | "40P01" | "55P03" | "57014" | "57P03" | "53300" | "25P02" => Fault::Transient,
-        "57P01" | "57P02" | "26000" | "42P05" => Fault::Broken,
+        "57P01" | "57P02" | "26000" | "42P05" | "25006" => Fault::Broken,
         _ if code.starts_with("08") => Fault::Broken,
         _ => Fault::None,
     }
@@ -391,7 +393,7 @@ mod tests {
         for code in ["40001", "40P01", "55P03", "57014", "53300", "25P02"] {
             assert_eq!(fault_of_code(code), Fault::Transient, "{code}");
         }
-        for code in ["57P01", "08006", "08003", "26000", "42P05"] {
+        for code in ["57P01", "08006", "08003", "26000", "42P05", "25006"] {
             assert_eq!(fault_of_code(code), Fault::Broken, "{code}");
         }
         for code in ["23505", "42P01", "22P02", "42501"] {
