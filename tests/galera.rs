@@ -357,3 +357,49 @@ impl ConnectCausal for sqlx::mysql::MySqlConnectOptions {
         conn
     }
 }
+
+/// The purger's lock (`GET_LOCK`) is a node's own: Galera does not replicate it, so purgers on two
+/// nodes purge at once. Their batches delete the same oldest rows, and the cluster lets one of two
+/// conflicting batches commit: the other purge fails with a retryable error (the background purger
+/// logs it and tries again at its next interval), or both go through. Expired rows end up deleted,
+/// younger ones are kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn purgers_on_two_nodes_purge_at_once_and_lose_nothing() {
+    const DAY: Duration = Duration::from_secs(24 * 60 * 60);
+    let h = MySqlHarness::on_galera().await;
+    let [one, two, _] = inboxes(&h);
+    h.bulk_rows("old", 4000).await;
+    h.backdate("old", 30 * DAY).await;
+    for i in 0..10 {
+        let msg = Delivery::new(&format!("young-{i}"));
+        assert!(
+            h.deliver(Consumer::Orders, &msg)
+                .await
+                .unwrap()
+                .is_processed()
+        );
+    }
+    let (a, b) = tokio::join!(one.purge_expired(100), two.purge_expired(100));
+    let mut deleted = 0;
+    let mut both_ran = true;
+    for report in [a, b] {
+        match report {
+            Ok(report) => {
+                both_ran &= !report.locked_elsewhere;
+                deleted += report.deleted;
+            }
+            Err(error) => assert!(error.is_retryable(), "{error:?}"),
+        }
+    }
+    assert!(both_ran, "a node saw the other node's purger lock");
+    assert!(deleted <= 4000, "{deleted}");
+    h.sync_nodes().await;
+    let again = one.purge_expired(1000).await.unwrap();
+    h.sync_nodes().await;
+    assert_eq!(
+        h.inbox_rows().await,
+        10,
+        "deleted {deleted}, then {}",
+        again.deleted
+    );
+}

@@ -12,7 +12,7 @@
 //! Backends (`--backend`; without it, the short run of each one whose servers are there):
 //! - `postgres` (`IDEMPOTENT_PG_URL`, restarted through `IDEMPOTENT_PG_RESTART`, which
 //!   `scripts/postgres start` sets) and `sqlite` (several processes on one database file): always;
-//! - `mysql`: a single MariaDB (`IDEMPOTENT_MYSQL_URL`), not restarted;
+//! - `mysql`: a single MariaDB (`IDEMPOTENT_MYSQL_URL`), not restarted: the baseline of `galera`;
 //! - `galera`: the three nodes of `scripts/galera` (`IDEMPOTENT_GALERA_URLS`), consumers spread
 //!   over them, nodes killed and restarted one at a time;
 //! - `postgres-ha-sync`, `postgres-ha-async`: the primary and standby of `scripts/postgres-ha`
@@ -52,6 +52,9 @@ fn short_run(backend: &str) -> (f64, f64, f64) {
 fn present_backends() -> Vec<String> {
     let mut backends = vec!["postgres".to_owned(), "sqlite".to_owned()];
     let set = |name: &str| std::env::var_os(name).is_some();
+    if set("IDEMPOTENT_MYSQL_URL") {
+        backends.push("mysql".into());
+    }
     if set("IDEMPOTENT_GALERA_URLS") && set("IDEMPOTENT_GALERA_CTL") {
         backends.push("galera".into());
     }
