@@ -140,32 +140,73 @@ async fn sqlstates(
     states
 }
 
-/// What sqlx's statements do through PgBouncer 1.18 in transaction mode with the settings of
-/// `scripts/pgbouncer` (`server_reset_query_always = 1`): with a statement cache, a statement is
-/// prepared in one transaction and missing in the next; without one, statements inside a
-/// transaction work, prepared or not; outside a transaction every statement with parameters fails,
-/// cleanly (26000), and never runs another client's statement. Either failure is retryable and
-/// closes the connection.
+/// Whether the PgBouncer in front resets every server session after each transaction
+/// (`server_reset_query_always`), as its admin console says.
+async fn resets_always() -> bool {
+    use sqlx::{Connection, Row};
+    let (bouncer, _) = pgbouncer_urls();
+    let options: PgConnectOptions = bouncer.parse().unwrap();
+    let mut admin = sqlx::PgConnection::connect_with(&options.database("pgbouncer"))
+        .await
+        .expect("PgBouncer's admin console");
+    let rows = sqlx::raw_sql("SHOW CONFIG")
+        .fetch_all(&mut admin)
+        .await
+        .unwrap();
+    rows.iter()
+        .find(|row| row.get::<String, _>(0) == "server_reset_query_always")
+        .map(|row| row.get::<String, _>(1) == "1")
+        .expect("server_reset_query_always in SHOW CONFIG")
+}
+
+/// What sqlx's statements do through PgBouncer 1.18 in transaction mode. With a statement cache,
+/// a statement prepared in one transaction is missing in the next (26000) or clashes with another
+/// client's of the same name (42P05). Without a cache (`statement_cache_capacity(0)`) statements
+/// are still named, and left on the session: inside a transaction they work only when PgBouncer
+/// resets every session after each transaction (`server_reset_query_always = 1`, as
+/// `scripts/pgbouncer` sets it); unprepared ones (`.persistent(false)`) work inside a transaction
+/// either way. Outside a transaction, with the reset, every statement with parameters fails,
+/// cleanly (26000): its parse and its execution reach two sessions. Every failure is retryable
+/// and closes the connection. (`IDEMPOTENT_PGBOUNCER_RESET_ALWAYS=0 scripts/pgbouncer start`
+/// starts PgBouncer without the reset, for the other half of the README's table.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlx_statements_through_pgbouncer_in_transaction_mode() {
+    let reset = resets_always().await;
     let h = PgHarness::through_pgbouncer().await;
     let cached = bouncer_pool(&h, 8, None);
     let in_tx = sqlstates(&cached, true, true).await;
-    assert!(in_tx.contains_key("26000"), "{in_tx:?}");
+    assert!(!in_tx.is_empty(), "{in_tx:?}");
+    let outside = sqlstates(&cached, true, false).await;
+    assert!(!outside.is_empty(), "{outside:?}");
 
     let uncached = bouncer_pool(&h, 8, Some(0));
-    for persistent in [true, false] {
-        let in_tx = sqlstates(&uncached, persistent, true).await;
-        assert!(in_tx.is_empty(), "persistent {persistent}: {in_tx:?}");
-        let outside = sqlstates(&uncached, persistent, false).await;
-        assert_eq!(
-            outside.keys().collect::<Vec<_>>(),
-            ["26000"],
-            "persistent {persistent}: {outside:?}"
-        );
-        assert_eq!(
-            outside["26000"], 400,
-            "persistent {persistent}: {outside:?}"
+    let named_in_tx = sqlstates(&uncached, true, true).await;
+    let unprepared_in_tx = sqlstates(&uncached, false, true).await;
+    assert!(unprepared_in_tx.is_empty(), "{unprepared_in_tx:?}");
+    if reset {
+        assert!(named_in_tx.is_empty(), "{named_in_tx:?}");
+        for persistent in [true, false] {
+            let outside = sqlstates(&uncached, persistent, false).await;
+            assert_eq!(
+                outside.keys().collect::<Vec<_>>(),
+                ["26000"],
+                "persistent {persistent}: {outside:?}"
+            );
+            assert_eq!(
+                outside["26000"], 400,
+                "persistent {persistent}: {outside:?}"
+            );
+        }
+    } else {
+        assert!(named_in_tx.contains_key("42P05"), "{named_in_tx:?}");
+        let named_outside = sqlstates(&uncached, true, false).await;
+        assert!(!named_outside.is_empty(), "{named_outside:?}");
+        // Unprepared, outside a transaction: it usually works, as the other sessions seldom have
+        // an unnamed statement; when the execution reaches another session it fails (26000).
+        let unprepared_outside = sqlstates(&uncached, false, false).await;
+        assert!(
+            unprepared_outside.keys().all(|state| state == "26000"),
+            "{unprepared_outside:?}"
         );
     }
 }

@@ -70,8 +70,9 @@ fn script(command: &str) -> String {
     String::from_utf8(output.stdout).unwrap()
 }
 
-/// Prepares `backend` for a run with `faults` faults (as many as it can).
-pub async fn prepare(backend: &str, faults: usize) -> Prepared {
+/// Prepares `backend` for a run with `faults` faults (as many as it can); on Galera, the consumers'
+/// own nodes are the first `spread` nodes.
+pub async fn prepare(backend: &str, faults: usize, spread: usize) -> Prepared {
     let mut notes = Vec::new();
     let mut dir = None;
     let single = |kind: &str, url: &str| vec![(kind.to_owned(), url.to_owned())];
@@ -178,9 +179,9 @@ pub async fn prepare(backend: &str, faults: usize) -> Prepared {
             );
             let nodes: Vec<String> = urls.split(',').map(str::to_owned).collect();
             let nodes = fresh_mysql_database(&nodes).await;
-            // Consumer i's own node is node i mod 3; the others are where it goes while its own
-            // is down.
-            let targets = (0..nodes.len())
+            // Consumer i's own node is node i mod `spread`; the others are where it goes while its
+            // own is down.
+            let targets = (0..spread.clamp(1, nodes.len()))
                 .map(|own| {
                     let order: Vec<&str> = (0..nodes.len())
                         .map(|i| nodes[(own + i) % nodes.len()].as_str())

@@ -14,7 +14,7 @@
 //!   `scripts/postgres start` sets) and `sqlite` (several processes on one database file): always;
 //! - `mysql`: a single MariaDB (`IDEMPOTENT_MYSQL_URL`), not restarted: the baseline of `galera`;
 //! - `galera`: the three nodes of `scripts/galera` (`IDEMPOTENT_GALERA_URLS`), consumers spread
-//!   over them, nodes killed and restarted one at a time;
+//!   over them (`--spread 1` puts them all on node 1), nodes killed and restarted one at a time;
 //! - `postgres-ha-sync`, `postgres-ha-async`: the primary and standby of `scripts/postgres-ha`
 //!   (`IDEMPOTENT_PG_HA_CTL`), started afresh in that replication mode, the primary SIGKILLed and
 //!   the standby promoted mid-run; the asynchronous run then republishes every message, and checks
@@ -113,7 +113,8 @@ fn main() {
             progress: args.iter().any(|a| a == "--progress"),
         };
         let faults = number(&["--faults", "--db-restarts"], faults) as usize;
-        let ok = runtime.block_on(run(&backend, config, faults));
+        let spread = number(&["--spread"], 3.0) as usize;
+        let ok = runtime.block_on(run(&backend, config, faults, spread));
         if ok {
             passed += 1;
         } else {
@@ -128,8 +129,8 @@ fn main() {
 
 /// Prepares a fresh database, runs the driver, checks, prints the figures; `true` when the run
 /// upheld the guarantee.
-async fn run(backend: &str, mut config: Config, faults: usize) -> bool {
-    let prepared = backends::prepare(backend, faults).await;
+async fn run(backend: &str, mut config: Config, faults: usize, spread: usize) -> bool {
+    let prepared = backends::prepare(backend, faults, spread).await;
     for note in &prepared.notes {
         println!("chaos: {note}");
     }
