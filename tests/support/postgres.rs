@@ -140,6 +140,38 @@ impl PgHarness {
     }
 }
 
+/// Through PgBouncer each test has a database of its own (a copy of `template1`, some megabytes):
+/// dropped when the test ends, so that a run of the suite leaves none behind.
+impl Drop for PgHarness {
+    fn drop(&mut self) {
+        if !self.pooled {
+            return;
+        }
+        let (_, upstream) = pgbouncer_urls();
+        let database = self.schema.clone();
+        // Not on the test's runtime, which is dropping this harness.
+        let dropped = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            runtime.block_on(async move {
+                let options: PgConnectOptions = upstream.parse().unwrap();
+                let mut admin = options.connect().await?;
+                sqlx::query(sqlx::AssertSqlSafe(format!(
+                    "DROP DATABASE IF EXISTS {database} WITH (FORCE)"
+                )))
+                .execute(&mut admin)
+                .await
+                .map(drop)
+            })
+        });
+        if let Ok(Err(error)) = dropped.join() {
+            eprintln!("the test database {} was not dropped: {error}", self.schema);
+        }
+    }
+}
+
 /// PgBouncer's URL and the URL of the PostgreSQL behind it.
 pub fn pgbouncer_urls() -> (String, String) {
     let get = |name: &str| {
@@ -155,12 +187,10 @@ pub fn pgbouncer_urls() -> (String, String) {
 
 impl PgHarness {
     /// The same harness whose inboxes send the claim in one message with its `BEGIN`.
-    pub fn with_pipelined_claim(self) -> Self {
-        Self {
-            inbox: self.inbox.with_pipelined_claim(),
-            impatient: self.impatient.with_pipelined_claim(),
-            ..self
-        }
+    pub fn with_pipelined_claim(mut self) -> Self {
+        self.inbox = self.inbox.clone().with_pipelined_claim();
+        self.impatient = self.impatient.clone().with_pipelined_claim();
+        self
     }
 }
 

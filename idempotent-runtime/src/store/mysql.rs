@@ -38,7 +38,14 @@
 //!
 //! Only one instance purges a table at a time: the purger holds a `GET_LOCK` named after the
 //! database and the table while it runs (closing its session if the purge is dropped half-way, as
-//! `GET_LOCK` is held by the session and is re-entrant).
+//! `GET_LOCK` is held by the session and is re-entrant). On a Galera cluster the lock is a node's
+//! own, not replicated: purgers on different nodes purge at once, and a batch that conflicts with
+//! another node's fails retryably.
+//!
+//! On Galera, copies of a message claimed on two nodes do not wait for each other: both inserts
+//! succeed, and the transaction that commits second is refused by the cluster (1213 at its commit,
+//! or under its body when the winner's write-set aborts it first), retryably, with nothing of it
+//! committed; its retry is a duplicate.
 //!
 //! Both columns of the key are binary, so they compare byte by byte: no collation folds case or
 //! trailing spaces. Stored keys are at most 64 bytes (see [`key`](crate::key)), consumer names at

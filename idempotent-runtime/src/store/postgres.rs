@@ -21,7 +21,9 @@
 //! (at `ERROR`, with the statement, and so the key's hex), leaves a dead row version for `VACUUM`,
 //! and logs one `prepared statement does not exist` per new session before it prepares the claim.
 //! Behind a pooler in transaction mode (PgBouncer), which does not keep a session's prepared
-//! statements, it falls back to the quiet claim message by message. Its values travel as hex
+//! statements, it falls back to the quiet claim message by message, and an inbox made
+//! [`with_transaction_pooling`](crate::Inbox::with_transaction_pooling) sends the quiet claim
+//! straight away. Its values travel as hex
 //! digits that the statement decodes (`decode('…', 'hex')`), so no byte of a key or a consumer name
 //! is ever spliced into SQL.
 //!
@@ -48,7 +50,11 @@
 //! ```
 //!
 //! Only one instance purges a table at a time: the purger holds a session advisory lock on the
-//! table's OID while it runs (closing its session if the purge is dropped half-way).
+//! table's OID while it runs (closing its session if the purge is dropped half-way). Behind a
+//! pooler in transaction mode ([`Inbox::with_transaction_pooling`](crate::Inbox::with_transaction_pooling)),
+//! where a session's lock would be released by the pooler's reset or stay with a server session
+//! out of the unlock's reach, it holds a transaction's advisory lock instead, with that
+//! transaction left open, idle, for the purge's length.
 
 use sha2::{Digest, Sha256};
 use sqlx::postgres::{PgConnection, PgDatabaseError, PgTransactionManager};
