@@ -200,3 +200,64 @@ async fn a_response_that_cannot_be_stored_fails_at_its_own_stage() {
     assert_eq!(h.effects("unstorable").await, 0);
     assert!(!h.inbox.is_processed("quotes", "unstorable").await.unwrap());
 }
+
+/// The claim under SERIALIZABLE, which CockroachDB and YugabyteDB run by default (shown here on
+/// PostgreSQL's SERIALIZABLE, not on those databases): copies of one message at the same moment do
+/// not all wait and see a duplicate, as under READ COMMITTED. One is processed; a copy that waited
+/// for it cannot see its commit in its snapshot, and fails with a serialization failure (40001),
+/// which is retryable; every retry is a duplicate. The effect happens once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_copies_under_serializable_fail_retryably_then_are_duplicates() {
+    use idempotent::{Error, Handled, InboxError};
+    use support::{Consumer, Delivery, Harness};
+
+    let h = PgHarness::new().await;
+    let options = h
+        .pool
+        .connect_options()
+        .as_ref()
+        .clone()
+        .options([("default_transaction_isolation", "serializable")]);
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(16)
+        .connect_with(options)
+        .await
+        .unwrap();
+    let level: String = sqlx::query_scalar("SHOW transaction_isolation")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(level, "serializable");
+    let inbox = idempotent::Inbox::new(pool);
+    let mut serialization_failures = 0;
+    for round in 0..10 {
+        let msg = Delivery::new(&format!("serializable-{round}"));
+        let outcomes =
+            futures::future::join_all((0..8).map(|_| h.deliver_on(&inbox, Consumer::Orders, &msg)))
+                .await;
+        let mut processed = 0;
+        for outcome in outcomes {
+            match outcome {
+                Ok(Handled::Processed(())) => processed += 1,
+                Ok(Handled::Duplicate { .. }) => {}
+                Err(error) => {
+                    let Error::Inbox(InboxError::Database { source, .. }) = &error else {
+                        panic!("{error:?}");
+                    };
+                    let code = source.as_database_error().and_then(|e| e.code());
+                    assert_eq!(code.as_deref(), Some("40001"), "{error:?}");
+                    assert!(error.is_retryable());
+                    serialization_failures += 1;
+                    let retry = h.deliver_on(&inbox, Consumer::Orders, &msg).await.unwrap();
+                    assert!(retry.is_duplicate(), "{retry:?}");
+                }
+            }
+        }
+        assert_eq!(processed, 1, "{}", msg.label);
+        assert_eq!(h.effects(&msg.label).await, 1);
+    }
+    assert!(
+        serialization_failures > 0,
+        "no copy ever waited for another"
+    );
+}

@@ -27,7 +27,7 @@ use crate::inbox::{Inbox, check_consumer, check_name, decode_response};
 use crate::key::{IdempotencyKey, MessageKey};
 use crate::metrics::CallOutcome;
 use crate::session::Session;
-use crate::store::{Backend, CallId, CallRow, database_error};
+use crate::store::{Backend, CallId, CallRow, begin_alone, database_error, end_alone};
 
 /// The longest lease a call may ask for: a lease is how long other attempts wait for this one
 /// before they take the call over, and one longer than this is a mistake (a `Duration::MAX` would
@@ -240,14 +240,16 @@ impl<DB: Backend> Inbox<DB> {
     /// next attempt's record.
     pub async fn release_call(&self, lease: CallLease) -> Result<bool, InboxError> {
         let mut session = self.call_session().await?;
-        let released = DB::call_release(
-            session.start_step(),
-            &self.config.statements,
-            lease.id(),
-            lease.fence,
-        )
-        .await
-        .map_err(database_error(Stage::Call))?;
+        let statements = &self.config.statements;
+        let conn = session.start_step();
+        // `call_release` also runs in a handler's transaction (the HTTP layer's): alone only here.
+        begin_alone::<DB>(conn, statements)
+            .await
+            .map_err(database_error(Stage::Call))?;
+        let released = DB::call_release(conn, statements, lease.id(), lease.fence).await;
+        let released = end_alone::<DB, _>(conn, statements, released)
+            .await
+            .map_err(database_error(Stage::Call))?;
         session.end_step();
         tracing::debug!(
             consumer = lease.consumer,

@@ -193,6 +193,17 @@ pub enum InboxError {
         /// What is wrong with it.
         reason: &'static str,
     },
+    /// A connection pooler in transaction mode (PgBouncer's `pool_mode = transaction`) sits
+    /// between the inbox's pool and PostgreSQL: it hands each transaction whichever server
+    /// session is free, so the statements sqlx prepares on one session are missing, or clash with
+    /// another client's, in the next transaction. Open the inbox with
+    /// [`Inbox::with_transaction_pooling`](crate::Inbox::with_transaction_pooling) (and the pool
+    /// as the README's "Running at scale" says), or connect directly or in session mode. Not
+    /// retryable: found by [`Inbox::migrate`](crate::Inbox::migrate) at start-up.
+    #[error(
+        "a pooler in transaction mode sits between the inbox and the database; open the inbox with_transaction_pooling()"
+    )]
+    TransactionPooling,
     /// The database failed; see [`InboxError::is_retryable`].
     #[error("database error while {stage}")]
     Database {

@@ -149,7 +149,7 @@ impl<DB: Backend> Inbox<DB> {
     pub fn with_table(self, name: &str) -> Result<Self, InboxError> {
         let table = TableName::new(name)?;
         Ok(self.with_config(|config| Config {
-            statements: Statements::new(DB::DIALECT, &table),
+            statements: Statements::new(DB::DIALECT, &table).with_pooling(config.statements.pooled),
             table,
             ..config.clone()
         }))
@@ -191,7 +191,20 @@ impl<DB: Backend> Inbox<DB> {
     /// version of this library (see [`schema`](crate::schema)); refuses tables of a newer one with
     /// [`InboxError::SchemaTooNew`]. Idempotent, and safe to call from every instance at start-up:
     /// concurrent migrations wait for each other.
+    ///
+    /// On PostgreSQL it first checks that no pooler in transaction mode (PgBouncer's
+    /// `pool_mode = transaction`) sits between the pool and the database, unless the inbox was
+    /// made for one with [`with_transaction_pooling`](Inbox::with_transaction_pooling): if one
+    /// does, it fails with [`InboxError::TransactionPooling`] rather than let the inbox's prepared
+    /// statements fail message by message.
     pub async fn migrate(&self) -> Result<Migration, InboxError> {
+        let pooled = !self.config.statements.pooled
+            && DB::transaction_pooled(&self.pool)
+                .await
+                .map_err(database_error(Stage::Migrate))?;
+        if pooled {
+            return Err(InboxError::TransactionPooling);
+        }
         let source = Source {
             keeps: false,
             ..self.source()
@@ -517,6 +530,25 @@ impl Inbox<sqlx::Postgres> {
     /// the inbox still learns the outcome, from the statement's error.)
     pub fn with_pipelined_claim(self) -> Self {
         self.with_settings(|_| crate::store::postgres::pipelined())
+    }
+
+    /// The same inbox, for a pool whose connections go through a pooler in transaction mode
+    /// (PgBouncer's `pool_mode = transaction`), which hands each transaction whichever server
+    /// session is free. The inbox then prepares none of its statements, runs those it sends
+    /// outside a handler's transaction (a duplicate's stored response, [`is_processed`](Self::is_processed),
+    /// the steps of a call, each purge batch) in a transaction of their own, holds the purger's
+    /// lock with a transaction left open for the purge's length instead of a session's lock, and
+    /// claims with the quiet claim whatever [`with_pipelined_claim`](Self::with_pipelined_claim)
+    /// said. Without it, [`migrate`](Self::migrate) refuses such a pool with
+    /// [`InboxError::TransactionPooling`].
+    ///
+    /// The handlers' own statements need the same care: see the crate's README ("Running at
+    /// scale") for the pool's and PgBouncer's settings that make sqlx work through such a pooler.
+    pub fn with_transaction_pooling(self) -> Self {
+        self.with_config(|config| Config {
+            statements: config.statements.clone().with_pooling(true),
+            ..config.clone()
+        })
     }
 }
 

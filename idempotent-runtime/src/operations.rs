@@ -18,7 +18,7 @@ use crate::error::{InboxError, Stage};
 use crate::inbox::{Inbox, check_consumer, commit};
 use crate::key::{AsMessageKey, MessageKey};
 use crate::session::Session;
-use crate::store::{Backend, database_error};
+use crate::store::{Backend, begin_alone, database_error, end_alone};
 use crate::transaction::{BeginError, InboxTransaction};
 
 /// The longest reason [`Inbox::forget`] accepts, in bytes.
@@ -232,14 +232,16 @@ impl<DB: Backend> Inbox<DB> {
         check_consumer(consumer)?;
         let key = key.as_message_key()?;
         let mut session = self.read_session().await?;
-        let row = DB::inspect(
-            session.start_step(),
-            &self.config.statements,
-            consumer,
-            key.as_bytes(),
-        )
-        .await
-        .map_err(database_error(Stage::Inspect))?;
+        let statements = &self.config.statements;
+        let conn = session.start_step();
+        // `inspect` also runs in `forget`'s transaction: alone only here.
+        begin_alone::<DB>(conn, statements)
+            .await
+            .map_err(database_error(Stage::Inspect))?;
+        let row = DB::inspect(conn, statements, consumer, key.as_bytes()).await;
+        let row = end_alone::<DB, _>(conn, statements, row)
+            .await
+            .map_err(database_error(Stage::Inspect))?;
         session.end_step();
         Ok(row.map(|(processed_ms, response, fingerprint)| Record {
             key: key.into_owned(),

@@ -228,7 +228,8 @@ pub(crate) async fn purge<DB: Backend>(
     pause: Duration,
 ) -> Result<PurgeReport, InboxError> {
     let table = scope.table;
-    let Some(lock) = PurgeLock::<DB>::try_lock(source.pool, table)
+    let pooled = scope.statements.pooled;
+    let Some(lock) = PurgeLock::<DB>::try_lock(source.pool, table, pooled)
         .await
         .map_err(database_error(Stage::Purge))?
     else {
@@ -276,9 +277,15 @@ async fn purge_locked<DB: Backend>(
         // The horizon first: a row is never gone without a horizon that covers it. Which
         // consumers have expired rows is a read (no lock a claim would wait for); each horizon
         // is then one short write.
-        let expiring = DB::purge_consumers(session.start_step(), &sql.expiring, cutoff, consumers)
-            .await
-            .map_err(failed())?;
+        let expiring = DB::purge_consumers(
+            session.start_step(),
+            scope.statements,
+            &sql.expiring,
+            cutoff,
+            consumers,
+        )
+        .await
+        .map_err(failed())?;
         session.end_step();
         for consumer in &expiring {
             DB::record_horizon(session.start_step(), scope.statements, consumer, cutoff)
@@ -293,9 +300,10 @@ async fn purge_locked<DB: Backend>(
         ] {
             loop {
                 let conn = session.start_step();
-                let deleted = DB::purge_step(conn, statement, cutoff, consumers, batch)
-                    .await
-                    .map_err(failed())?;
+                let deleted =
+                    DB::purge_step(conn, scope.statements, statement, cutoff, consumers, batch)
+                        .await
+                        .map_err(failed())?;
                 session.end_step();
                 *match kind {
                     Purged::Inbox => &mut report.deleted,
@@ -332,9 +340,15 @@ pub(crate) async fn preview<DB: Backend>(
     for pass in passes(statements, retention) {
         let cutoff = cutoff(now, pass.retention_ms);
         for (i, count) in pass.statements.count.iter().enumerate() {
-            let counts = DB::purge_count(session.start_step(), count, cutoff, &pass.consumers)
-                .await
-                .map_err(failed())?;
+            let counts = DB::purge_count(
+                session.start_step(),
+                statements,
+                count,
+                cutoff,
+                &pass.consumers,
+            )
+            .await
+            .map_err(failed())?;
             session.end_step();
             for (consumer, n) in counts {
                 let entry = expired.entry(consumer.clone()).or_insert_with(|| Expired {

@@ -25,8 +25,9 @@ use sqlx::{AssertSqlSafe, Database, SqlSafeStr};
 use sqlx_core::transaction::TransactionManager;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
+use crate::error::Fault;
 use crate::session::{Session, Source};
-use crate::store::{Backend, Ending, Statements};
+use crate::store::{Backend, Ending, Statements, fault_of};
 
 /// How long a transaction waits in the writers' queue before it goes on to the database's lock.
 const WRITERS_QUEUE_PATIENCE: Duration = Duration::from_secs(5);
@@ -127,8 +128,15 @@ impl<DB: Backend> InboxTransaction<DB> {
                 .map(ClaimOutcome::Duplicate)
                 .map_err(BeginError::Begin),
             Err(error) => {
-                // A lock timeout, a deadlock: end what is open, keep the connection if that works.
-                let _ = tx.rollback().await;
+                if fault_of(&error) == Fault::Broken {
+                    // The connection cannot serve the next claim either (a standby's read-only
+                    // session, statements it lost): closed, as after a body's such error.
+                    tx.rollback_and_close().await;
+                } else {
+                    // A lock timeout, a deadlock: end what is open, keep the connection if that
+                    // works.
+                    let _ = tx.rollback().await;
+                }
                 Err(BeginError::Begin(error))
             }
         }
@@ -189,10 +197,16 @@ impl<DB: Backend> InboxTransaction<DB> {
         }
         // This session has not prepared the claim: a new connection, or a `DEALLOCATE`.
         let conn = self.session.start_step();
-        DB::prepare_pipelined_claim(conn, settings, statements)
-            .await
-            .map_err(Pipeline::Failed)?;
-        self.session.end_step();
+        match DB::prepare_pipelined_claim(conn, settings, statements).await {
+            Ok(()) => self.session.end_step(),
+            // The session that prepares it has it already, though the one that claimed had not:
+            // a pooler in transaction mode runs each transaction on another session.
+            Err(error) if DB::statement_exists(&error) => {
+                self.session.end_step();
+                return Err(Pipeline::NotSent);
+            }
+            Err(error) => return Err(Pipeline::Failed(error)),
+        }
         match self.begin_pipelined(message).await {
             // Still missing: a pooler in transaction mode moved us to another session.
             Err(Pipeline::Failed(error)) if DB::lost_statement(&error) => Err(Pipeline::NotSent),

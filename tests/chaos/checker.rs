@@ -1,6 +1,9 @@
 //! Proves, for every message, what the run promised: each effect happened exactly once, nothing
 //! acknowledged was lost, poison messages were never marked done, and the inbox holds exactly one
-//! row per (consumer, key) that was processed and none other.
+//! row per (consumer, key) that was processed and none other. It also counts, for every message
+//! and consumer, whether the effect and the inbox row are there together, or missing together
+//! ("both or neither", which a failover that loses commits must keep), and checks the counter the
+//! ledger's effect increments against the ledger's rows.
 
 use std::collections::{HashMap, HashSet};
 
@@ -18,6 +21,13 @@ pub struct Verdict {
     pub inbox_mismatches: Vec<String>,
     pub counter: (i64, i64),
     pub inbox_rows: usize,
+    /// (message, consumer) pairs with both the effect and the inbox row, and with neither.
+    pub both: usize,
+    pub neither: usize,
+    /// Pairs with one of the two: what "both or neither" forbids.
+    pub half: Vec<String>,
+    /// The ledger's counter against the ledger's rows: both committed in one transaction.
+    pub counter_against_rows: (i64, i64),
 }
 
 impl Verdict {
@@ -27,6 +37,15 @@ impl Verdict {
             + self.poison_marked_done.len()
             + self.inbox_mismatches.len()
             + usize::from(self.counter.0 != self.counter.1)
+            + self.consistency_violations()
+    }
+
+    /// Breaches of "both or neither": an effect without its inbox row or the other way round, a
+    /// counter that disagrees with the ledger, an effect twice.
+    pub fn consistency_violations(&self) -> usize {
+        self.half.len()
+            + self.double_effects.len()
+            + usize::from(self.counter_against_rows.0 != self.counter_against_rows.1)
     }
 }
 
@@ -37,9 +56,29 @@ fn consumer_name(target: Target) -> &'static str {
     }
 }
 
-pub async fn check(url: &str, outcome: &Outcome) -> Result<Verdict, sqlx::Error> {
+/// Checks the database at `url` against what the broker saw. `causal`: read with
+/// `wsrep_sync_wait` (a Galera node).
+pub async fn check(url: &str, causal: bool, outcome: &Outcome) -> Result<Verdict, sqlx::Error> {
     sqlx::any::install_default_drivers();
-    let pool = AnyPool::connect(url).await?;
+    let options = sqlx::any::AnyPoolOptions::new().max_connections(1);
+    let options = if causal {
+        options.after_connect(|conn, _| {
+            Box::pin(async move {
+                sqlx::query("SET SESSION wsrep_sync_wait = 15")
+                    .execute(conn)
+                    .await
+                    .map(drop)
+            })
+        })
+    } else {
+        options
+    };
+    let pool: AnyPool = options.connect(url).await?;
+    let text = if url.starts_with("mysql") {
+        "CHAR"
+    } else {
+        "TEXT"
+    };
     let mut verdict = Verdict::default();
 
     let mut effects: HashMap<(String, Target), i64> = HashMap::new();
@@ -56,10 +95,10 @@ pub async fn check(url: &str, outcome: &Outcome) -> Result<Verdict, sqlx::Error>
             effects.insert((id, target), count);
         }
     }
-    let inbox: Vec<(String, Vec<u8>)> = sqlx::query_as(
-        "SELECT CAST(consumer AS TEXT), message_key FROM idempotent_inbox
-         WHERE consumer IN ('ledger', 'mailer')",
-    )
+    let inbox: Vec<(String, Vec<u8>)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT CAST(consumer AS {text}), message_key FROM idempotent_inbox
+         WHERE consumer IN ('ledger', 'mailer')"
+    )))
     .fetch_all(&pool)
     .await?;
     verdict.inbox_rows = inbox.len();
@@ -83,6 +122,18 @@ pub async fn check(url: &str, outcome: &Outcome) -> Result<Verdict, sqlx::Error>
                 .unwrap_or(0);
             let row = inbox_set.remove(&(name.to_owned(), key.as_bytes().to_vec()));
             let what = format!("{name} {} ({:?})", message.id, message.behaviour);
+            match (count > 0, row) {
+                (true, true) => verdict.both += 1,
+                // A poison message is never done: its own check is below.
+                (false, false) if message.behaviour != Behaviour::Poison => verdict.neither += 1,
+                (false, false) => {}
+                (true, false) => verdict
+                    .half
+                    .push(format!("{what}: an effect without its inbox row")),
+                (false, true) => verdict
+                    .half
+                    .push(format!("{what}: an inbox row without its effect")),
+            }
             if message.behaviour == Behaviour::Poison {
                 if count != 0 || row {
                     verdict.poison_marked_done.push(what);
@@ -129,6 +180,10 @@ pub async fn check(url: &str, outcome: &Outcome) -> Result<Verdict, sqlx::Error>
         .fetch_one(&pool)
         .await?;
     verdict.counter = (counter, expected_ledger);
+    let ledger_rows: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM chaos_ledger")
+        .fetch_one(&pool)
+        .await?;
+    verdict.counter_against_rows = (counter, ledger_rows);
     pool.close().await;
     Ok(verdict)
 }

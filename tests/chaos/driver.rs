@@ -1,7 +1,8 @@
 //! The broker and the chaos: publishes every message at least once (some twice by a producer retry,
 //! some as two copies at the same moment, some again from the dead-letter queue later), hands
 //! deliveries to consumer processes, redelivers what was not acknowledged, SIGKILLs consumers at
-//! their crash points and restarts them, and restarts the database mid-run.
+//! their crash points and restarts them, and runs the database's faults mid-run (a restart, a
+//! node killed and restarted, a failover), each a command of `scripts/`.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::process::Stdio;
@@ -19,24 +20,37 @@ use crate::protocol::{Behaviour, CRASH_POINTS, CrashPoint, Delivery, Reply, Targ
 /// What one run does.
 #[derive(Debug, Clone)]
 pub struct Config {
-    /// The database URL the consumers use.
-    pub url: String,
-    /// A command that restarts the database, given `fast` or `immediate`.
-    pub restart: Option<String>,
+    /// What each consumer process connects to: a kind of server and its URLs (see
+    /// `consumer::run`), one per consumer, cycled.
+    pub targets: Vec<(String, String)>,
+    /// Shell commands that break the database (a restart, a node killed and restarted, a
+    /// failover), run one at a time at evenly spaced points of the run's progress.
+    pub faults: Vec<String>,
     pub messages: usize,
     pub consumers: usize,
     /// Deliveries one consumer handles at once.
     pub prefetch: usize,
     /// The share of deliveries whose consumer is killed at one of the crash points.
     pub kill_rate: f64,
-    pub db_restarts: usize,
     /// The share of messages published more than once.
     pub duplicate_share: f64,
     pub seed: u64,
     pub deadline: Duration,
+    /// Print the acknowledgements and retryable nacks of every second.
+    pub progress: bool,
+}
+
+/// What the broker publishes.
+pub enum Plan<'a> {
+    /// New messages, some published more than once.
+    Chaos,
+    /// These messages again, each once to each consumer: a producer that publishes everything
+    /// again (after a failover that lost acknowledged work).
+    Republish(&'a [Message]),
 }
 
 /// One message and what its handlers do with it.
+#[derive(Debug, Clone, Copy)]
 pub struct Message {
     pub id: Uuid,
     pub behaviour: Behaviour,
@@ -50,6 +64,7 @@ pub enum Why {
     ConcurrentCopy,
     Resubmitted,
     Redelivered,
+    Republished,
 }
 
 #[derive(Debug, Clone)]
@@ -94,7 +109,8 @@ pub struct Figures {
     pub kills: BTreeMap<CrashPoint, usize>,
     pub consumer_restarts: usize,
     pub unexpected_exits: usize,
-    pub db_restarts: Vec<String>,
+    /// The database's faults that ran, and when.
+    pub faults: Vec<String>,
     pub elapsed: Duration,
 }
 
@@ -110,33 +126,50 @@ pub struct Outcome {
 const TARGETS: [Target; 2] = [Target::Ledger, Target::Mailer];
 const MAX_HANDLER_FAILURES: u32 = 4;
 
-pub async fn run(config: &Config) -> Result<Outcome, String> {
+pub async fn run(config: &Config, plan: Plan<'_>) -> Result<Outcome, String> {
     let started = Instant::now();
     let mut rng = StdRng::seed_from_u64(config.seed);
     let mut figures = Figures::default();
 
-    let messages: Vec<Message> = (0..config.messages)
-        .map(|_| Message {
-            // A version 4 UUID (never read as a UUIDv7 that says when it was sent).
-            id: uuid::Builder::from_random_bytes(rng.random()).into_uuid(),
-            behaviour: match rng.random_range(0..100) {
-                0 => Behaviour::Poison,
-                1..=4 => Behaviour::FailOnce,
-                _ => Behaviour::Succeed,
-            },
-        })
-        .collect();
-
-    // The publication plan: every message to both consumers, and for a share of them a duplicate,
-    // by a producer retry (right behind it), as two copies at once, or from the dead-letter queue
-    // after everything else.
     let mut queue = VecDeque::new();
     let mut later = Vec::new();
     let publish = |figures: &mut Figures, queue: &mut VecDeque<Publication>, p: Publication| {
         *figures.published.entry(format!("{:?}", p.why)).or_default() += 1;
         queue.push_back(p);
     };
-    for msg in 0..messages.len() {
+    let messages: Vec<Message> = match plan {
+        Plan::Republish(messages) => {
+            for msg in 0..messages.len() {
+                for target in TARGETS {
+                    let p = Publication {
+                        msg,
+                        target,
+                        why: Why::Republished,
+                        paired: false,
+                    };
+                    publish(&mut figures, &mut queue, p);
+                }
+            }
+            messages.to_vec()
+        }
+        Plan::Chaos => (0..config.messages)
+            .map(|_| Message {
+                // A version 4 UUID (never read as a UUIDv7 that says when it was sent).
+                id: uuid::Builder::from_random_bytes(rng.random()).into_uuid(),
+                behaviour: match rng.random_range(0..100) {
+                    0 => Behaviour::Poison,
+                    1..=4 => Behaviour::FailOnce,
+                    _ => Behaviour::Succeed,
+                },
+            })
+            .collect(),
+    };
+
+    // The publication plan: every message to both consumers, and for a share of them a duplicate,
+    // by a producer retry (right behind it), as two copies at once, or from the dead-letter queue
+    // after everything else.
+    let fresh = if queue.is_empty() { messages.len() } else { 0 };
+    for msg in 0..fresh {
         let duplicate = rng.random_bool(config.duplicate_share);
         let kind = rng.random_range(0..3);
         for target in TARGETS {
@@ -181,9 +214,10 @@ pub async fn run(config: &Config) -> Result<Outcome, String> {
     let mut dead_letter_queue: Vec<Publication> = Vec::new();
     let mut next_tag = 0u64;
     let mut acks = 0usize;
-    let mut restarts_done = 0usize;
-    let mut restart: Option<tokio::task::JoinHandle<Result<(), String>>> = None;
+    let mut faults_done = 0usize;
+    let mut fault: Option<tokio::task::JoinHandle<Result<(), String>>> = None;
     let mut resubmitted = false;
+    let mut last_progress = Instant::now();
 
     loop {
         if started.elapsed() > config.deadline {
@@ -250,34 +284,32 @@ pub async fn run(config: &Config) -> Result<Outcome, String> {
             }
         }
 
-        // Restart the database at evenly spaced points of progress.
-        if let Some(command) = &config.restart {
-            let due = (restarts_done + 1) * expected_acks / (config.db_restarts + 1);
-            if restarts_done < config.db_restarts && acks >= due && restart.is_none() {
-                let mode = if restarts_done.is_multiple_of(2) {
-                    "immediate"
-                } else {
-                    "fast"
-                };
-                figures.db_restarts.push(format!("{mode} at {acks} acks"));
-                restarts_done += 1;
-                let command = format!("{command} {mode}");
-                restart = Some(tokio::spawn(async move {
-                    let status = Command::new("sh").arg("-c").arg(&command).status().await;
-                    match status {
-                        Ok(s) if s.success() => Ok(()),
-                        other => Err(format!("`{command}` failed: {other:?}")),
-                    }
-                }));
-            }
+        // The database's faults, at evenly spaced points of progress, one at a time.
+        let due = (faults_done + 1) * expected_acks / (config.faults.len() + 1);
+        if faults_done < config.faults.len() && acks >= due && fault.is_none() {
+            let command = config.faults[faults_done].clone();
+            let at = started.elapsed();
+            figures.faults.push(format!(
+                "{} at {acks} acks ({:.1} s)",
+                command.rsplit('/').next().unwrap_or(&command),
+                at.as_secs_f64()
+            ));
+            faults_done += 1;
+            fault = Some(tokio::spawn(async move {
+                let status = Command::new("sh").arg("-c").arg(&command).status().await;
+                match status {
+                    Ok(s) if s.success() => Ok(()),
+                    other => Err(format!("`{command}` failed: {other:?}")),
+                }
+            }));
         }
-        if restart.as_ref().is_some_and(|r| r.is_finished()) {
-            restart.take().unwrap().await.map_err(|e| e.to_string())??;
+        if fault.as_ref().is_some_and(|r| r.is_finished()) {
+            fault.take().unwrap().await.map_err(|e| e.to_string())??;
         }
 
         let idle = queue.is_empty()
             && delayed.is_empty()
-            && restart.is_none()
+            && fault.is_none()
             && consumers.iter().all(|c| c.in_flight.is_empty());
         if idle {
             if resubmitted {
@@ -293,6 +325,15 @@ pub async fn run(config: &Config) -> Result<Outcome, String> {
             continue;
         }
 
+        if config.progress && last_progress.elapsed() >= Duration::from_secs(1) {
+            last_progress = Instant::now();
+            eprintln!(
+                "  {:>6.1} s  {acks} acks, {} retryable nacks, {} in flight",
+                started.elapsed().as_secs_f64(),
+                figures.nacks_retryable,
+                consumers.iter().map(|c| c.in_flight.len()).sum::<usize>()
+            );
+        }
         let event = tokio::select! {
             event = events.recv() => event,
             () = tokio::time::sleep(Duration::from_millis(10)) => None,
@@ -404,9 +445,11 @@ fn spawn(
     events: &mpsc::UnboundedSender<(usize, u64, Event)>,
 ) -> Result<Consumer, String> {
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let (kind, urls) = &config.targets[slot % config.targets.len()];
     let mut child = Command::new(exe)
         .arg("consumer")
-        .arg(&config.url)
+        .arg(kind)
+        .arg(urls)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())

@@ -25,49 +25,174 @@ pub fn url() -> String {
 pub struct MySqlHarness {
     pub inbox: Inbox<MySql>,
     pub impatient: Inbox<MySql>,
+    /// The harness's own statements, and what the tests look at.
     pub pool: MySqlPool,
     pub database: String,
+    /// Connected to the node the inbox claims on: where a claim's lock wait shows.
+    pub inbox_node: MySqlPool,
+    /// On Galera: the test database on each node, in the order of `IDEMPOTENT_GALERA_URLS`.
+    pub nodes: Vec<MySqlConnectOptions>,
 }
 
 impl MySqlHarness {
     pub async fn new() -> Self {
         let options: MySqlConnectOptions = url().parse().expect("IDEMPOTENT_MYSQL_URL");
-        let database = format!("t_{}", uuid::Uuid::new_v4().simple());
-        let mut admin = options.connect().await.expect("connect to MySQL");
-        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {database}")))
-            .execute(&mut admin)
-            .await
-            .unwrap();
+        let database = create_database(&options).await;
         let options = options.database(&database);
         let pool = MySqlPoolOptions::new()
             .max_connections(40)
             .connect_with(options.clone())
             .await
             .expect("connect to MySQL");
-        let impatient = MySqlPoolOptions::new()
-            .max_connections(2)
-            .after_connect(|conn, _| {
-                Box::pin(async move {
-                    sqlx::query("SET SESSION innodb_lock_wait_timeout = 1")
-                        .execute(conn)
-                        .await
-                        .map(drop)
-                })
+        let impatient = impatient_pool(options);
+        Self::set_up(
+            Inbox::new(pool.clone()),
+            Inbox::new(impatient),
+            pool,
+            database,
+            vec![],
+        )
+        .await
+    }
+
+    /// A harness on the three-node Galera cluster of `IDEMPOTENT_GALERA_URLS` (which
+    /// `scripts/galera start` sets), with its connections on different nodes: the inbox (and the
+    /// impatient inbox, whose lock wait is a node's own) on node 1, the inboxes of
+    /// [`inbox_with_pool`](Harness::inbox_with_pool) on node 2, and the harness's own statements
+    /// and reads on node 3. Those read with `wsrep_sync_wait` (a node first applies what the
+    /// cluster committed before the read), and after the harness writes rows (bulk rows, a
+    /// backdate) it waits until nodes 1 and 2 have applied them too: what a test checks on one node
+    /// right after another committed is then what was committed.
+    pub async fn on_galera() -> Self {
+        let urls = galera_urls();
+        let first: MySqlConnectOptions = urls[0].parse().expect("IDEMPOTENT_GALERA_URLS");
+        let database = create_database(&first).await;
+        // The other nodes have applied the `CREATE DATABASE` before anything connects to it.
+        for url in &urls {
+            let options: MySqlConnectOptions = url.parse().expect("IDEMPOTENT_GALERA_URLS");
+            let mut conn = options.connect().await.expect("a Galera node");
+            causal(&mut conn).await.unwrap();
+            sqlx::query("SELECT 1").execute(&mut conn).await.unwrap();
+        }
+        let nodes: Vec<MySqlConnectOptions> = urls
+            .iter()
+            .map(|url| {
+                let options: MySqlConnectOptions = url.parse().expect("IDEMPOTENT_GALERA_URLS");
+                options.database(&database)
             })
-            .connect_lazy_with(options);
+            .collect();
+        let inbox = MySqlPoolOptions::new()
+            .max_connections(40)
+            .connect_lazy_with(nodes[0].clone());
+        let impatient = impatient_pool(nodes[0].clone());
+        let pool = MySqlPoolOptions::new()
+            .max_connections(10)
+            .after_connect(|conn, _| Box::pin(async move { causal(conn).await }))
+            .connect_lazy_with(nodes[2].clone());
+        Self::set_up(
+            Inbox::new(inbox),
+            Inbox::new(impatient),
+            pool,
+            database,
+            nodes,
+        )
+        .await
+    }
+
+    async fn set_up(
+        inbox: Inbox<MySql>,
+        impatient: Inbox<MySql>,
+        pool: MySqlPool,
+        database: String,
+        nodes: Vec<MySqlConnectOptions>,
+    ) -> Self {
         sqlx::query(CREATE_EFFECTS).execute(&pool).await.unwrap();
         for statement in super::CREATE_UNIQUES {
             sqlx::query(statement).execute(&pool).await.unwrap();
         }
-        let inbox = Inbox::new(pool.clone());
         inbox.migrate().await.expect("migrate");
-        Self {
+        let inbox_node = MySqlPoolOptions::new()
+            .max_connections(2)
+            .connect_lazy_with(inbox.pool().connect_options().as_ref().clone());
+        let h = Self {
             inbox,
-            impatient: Inbox::new(impatient),
+            impatient,
             pool,
             database,
+            inbox_node,
+            nodes,
+        };
+        h.sync_nodes().await;
+        h
+    }
+
+    /// A pool of `connections` on Galera node `node` (0-based), its sessions reading causally
+    /// when `causal`.
+    pub fn node_pool(&self, node: usize, connections: u32, causal_reads: bool) -> MySqlPool {
+        let options = MySqlPoolOptions::new()
+            .max_connections(connections)
+            .acquire_timeout(Duration::from_secs(10));
+        let options = if causal_reads {
+            options.after_connect(|conn, _| Box::pin(async move { causal(conn).await }))
+        } else {
+            options
+        };
+        options.connect_lazy_with(self.nodes[node].clone())
+    }
+
+    /// On Galera, returns once every node has applied what the cluster committed so far.
+    pub async fn sync_nodes(&self) {
+        for node in &self.nodes {
+            let mut conn = node.connect().await.expect("a Galera node");
+            causal(&mut conn).await.unwrap();
+            sqlx::query("SELECT 1").execute(&mut conn).await.unwrap();
         }
     }
+}
+
+/// Makes a Galera session's reads, updates, deletes and inserts wait until its node has applied
+/// everything the cluster committed before they began (`wsrep_sync_wait = 15`).
+pub async fn causal(conn: &mut sqlx::MySqlConnection) -> Result<(), sqlx::Error> {
+    sqlx::query("SET SESSION wsrep_sync_wait = 15")
+        .execute(conn)
+        .await
+        .map(drop)
+}
+
+/// The URLs of the Galera cluster's nodes.
+pub fn galera_urls() -> Vec<String> {
+    let urls = std::env::var("IDEMPOTENT_GALERA_URLS").expect(
+        "IDEMPOTENT_GALERA_URLS is not set: run the tests with scripts/test, which starts a Galera cluster",
+    );
+    let urls: Vec<String> = urls.split(',').map(str::to_owned).collect();
+    assert_eq!(urls.len(), 3, "three Galera nodes: {urls:?}");
+    urls
+}
+
+/// Creates a fresh database, named for the test, on the server (or cluster) of `options`.
+async fn create_database(options: &MySqlConnectOptions) -> String {
+    let database = format!("t_{}", uuid::Uuid::new_v4().simple());
+    let mut admin = options.connect().await.expect("connect to MySQL");
+    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {database}")))
+        .execute(&mut admin)
+        .await
+        .unwrap();
+    database
+}
+
+/// A pool whose connections give up waiting for a lock after a second.
+fn impatient_pool(options: MySqlConnectOptions) -> MySqlPool {
+    MySqlPoolOptions::new()
+        .max_connections(2)
+        .after_connect(|conn, _| {
+            Box::pin(async move {
+                sqlx::query("SET SESSION innodb_lock_wait_timeout = 1")
+                    .execute(conn)
+                    .await
+                    .map(drop)
+            })
+        })
+        .connect_lazy_with(options)
 }
 
 impl Harness for MySqlHarness {
@@ -76,10 +201,15 @@ impl Harness for MySqlHarness {
     type Db = MySql;
 
     fn inbox_with_pool(&self, connections: u32) -> Inbox<Self::Db> {
+        // On Galera, on another node than the inbox's.
+        let options = match self.nodes.get(1) {
+            Some(node) => node.clone(),
+            None => self.pool.connect_options().as_ref().clone(),
+        };
         let pool = MySqlPoolOptions::new()
             .max_connections(connections)
             .acquire_timeout(Duration::from_secs(5))
-            .connect_lazy_with(self.pool.connect_options().as_ref().clone());
+            .connect_lazy_with(options);
         Inbox::new(pool)
     }
 
@@ -93,6 +223,7 @@ impl Harness for MySqlHarness {
         .execute(&self.pool)
         .await
         .unwrap();
+        self.sync_nodes().await;
     }
 
     async fn backdate(&self, consumer: &str, by: Duration) {
@@ -105,6 +236,7 @@ impl Harness for MySqlHarness {
         .execute(&self.pool)
         .await
         .unwrap();
+        self.sync_nodes().await;
     }
 
     async fn create_legacy_tables(&self, table: &str) {
@@ -182,7 +314,7 @@ impl Harness for MySqlHarness {
                  WHERE DB = ? AND INFO LIKE 'INSERT IGNORE INTO `idempotent_inbox`%' AND TIME_MS > 200",
             )
             .bind(&self.database)
-            .fetch_one(&self.pool)
+            .fetch_one(&self.inbox_node)
             .await
             .unwrap();
             if waiting > 0 {

@@ -26,8 +26,13 @@ pub fn url() -> String {
 pub struct PgHarness {
     pub inbox: Inbox<Postgres>,
     pub impatient: Inbox<Postgres>,
+    /// Connected to PostgreSQL itself: the harness's own statements, and what the tests look at.
     pub pool: PgPool,
+    /// The schema (or, through PgBouncer, the database) of this test; also its sessions'
+    /// `application_name`.
     pub schema: String,
+    /// The inboxes go through PgBouncer in transaction mode.
+    pub pooled: bool,
 }
 
 impl PgHarness {
@@ -50,29 +55,142 @@ impl PgHarness {
         let impatient = PgPoolOptions::new()
             .max_connections(2)
             .connect_lazy_with(options.options([("lock_timeout", "300ms")]));
+        Self::set_up(
+            Inbox::new(pool.clone()),
+            Inbox::new(impatient),
+            pool,
+            schema,
+            false,
+        )
+        .await
+    }
+
+    /// A harness whose inboxes reach PostgreSQL through PgBouncer in transaction mode
+    /// (`IDEMPOTENT_PGBOUNCER_URL`, which `scripts/pgbouncer start` sets, in front of
+    /// `IDEMPOTENT_PGBOUNCER_UPSTREAM_URL`), a fresh database per test (PgBouncer 1.18 passes no
+    /// `search_path` on to the server). The inboxes are made `with_transaction_pooling()`, and
+    /// their pools as the README says: no statement cache (`statement_cache_capacity(0)`), with
+    /// PgBouncer resetting each server session after every transaction
+    /// (`server_reset_query_always = 1`), so that the handlers' own `sqlx::query` statements
+    /// work inside their transaction. The impatient inbox connects as a role whose
+    /// `lock_timeout` is 300 ms, as PgBouncer 1.18 passes no `options` on either.
+    pub async fn through_pgbouncer() -> Self {
+        let (bouncer, upstream) = pgbouncer_urls();
+        let upstream: PgConnectOptions = upstream.parse().expect("the upstream URL");
+        let database = format!("t_{}", uuid::Uuid::new_v4().simple());
+        let mut admin = upstream.connect().await.expect("connect to PostgreSQL");
+        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {database}")))
+            .execute(&mut admin)
+            .await
+            .unwrap();
+        // The role the impatient inbox connects as; created once per server.
+        let _ = sqlx::raw_sql(
+            "DO $$ BEGIN
+                 CREATE ROLE idempotent_impatient LOGIN SUPERUSER;
+             EXCEPTION WHEN duplicate_object OR unique_violation THEN NULL; END $$;
+             ALTER ROLE idempotent_impatient SET lock_timeout = '300ms'",
+        )
+        .execute(&mut admin)
+        .await;
+        let pool = PgPoolOptions::new()
+            .max_connections(10)
+            .connect_with(upstream.database(&database).application_name(&database))
+            .await
+            .expect("connect to PostgreSQL");
+        let bouncer: PgConnectOptions = bouncer.parse().expect("IDEMPOTENT_PGBOUNCER_URL");
+        let bouncer = bouncer
+            .database(&database)
+            .application_name(&database)
+            .statement_cache_capacity(0);
+        let inbox = PgPoolOptions::new()
+            .max_connections(40)
+            .connect_lazy_with(bouncer.clone());
+        let impatient = PgPoolOptions::new()
+            .max_connections(2)
+            .connect_lazy_with(bouncer.username("idempotent_impatient"));
+        Self::set_up(
+            Inbox::new(inbox).with_transaction_pooling(),
+            Inbox::new(impatient).with_transaction_pooling(),
+            pool,
+            database,
+            true,
+        )
+        .await
+    }
+
+    async fn set_up(
+        inbox: Inbox<Postgres>,
+        impatient: Inbox<Postgres>,
+        pool: PgPool,
+        schema: String,
+        pooled: bool,
+    ) -> Self {
         sqlx::query(CREATE_EFFECTS).execute(&pool).await.unwrap();
         for statement in super::CREATE_UNIQUES {
             sqlx::query(statement).execute(&pool).await.unwrap();
         }
-        let inbox = Inbox::new(pool.clone());
         inbox.migrate().await.expect("migrate");
         Self {
             inbox,
-            impatient: Inbox::new(impatient),
+            impatient,
             pool,
             schema,
+            pooled,
         }
     }
 }
 
+/// Through PgBouncer each test has a database of its own (a copy of `template1`, some megabytes):
+/// dropped when the test ends, so that a run of the suite leaves none behind.
+impl Drop for PgHarness {
+    fn drop(&mut self) {
+        if !self.pooled {
+            return;
+        }
+        let (_, upstream) = pgbouncer_urls();
+        let database = self.schema.clone();
+        // Not on the test's runtime, which is dropping this harness.
+        let dropped = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            runtime.block_on(async move {
+                let options: PgConnectOptions = upstream.parse().unwrap();
+                let mut admin = options.connect().await?;
+                sqlx::query(sqlx::AssertSqlSafe(format!(
+                    "DROP DATABASE IF EXISTS {database} WITH (FORCE)"
+                )))
+                .execute(&mut admin)
+                .await
+                .map(drop)
+            })
+        });
+        if let Ok(Err(error)) = dropped.join() {
+            eprintln!("the test database {} was not dropped: {error}", self.schema);
+        }
+    }
+}
+
+/// PgBouncer's URL and the URL of the PostgreSQL behind it.
+pub fn pgbouncer_urls() -> (String, String) {
+    let get = |name: &str| {
+        std::env::var(name).unwrap_or_else(|_| {
+            panic!("{name} is not set: run the tests with scripts/test, which starts PgBouncer")
+        })
+    };
+    (
+        get("IDEMPOTENT_PGBOUNCER_URL"),
+        get("IDEMPOTENT_PGBOUNCER_UPSTREAM_URL"),
+    )
+}
+
 impl PgHarness {
     /// The same harness whose inboxes send the claim in one message with its `BEGIN`.
-    pub fn with_pipelined_claim(self) -> Self {
-        Self {
-            inbox: self.inbox.with_pipelined_claim(),
-            impatient: self.impatient.with_pipelined_claim(),
-            ..self
-        }
+    pub fn with_pipelined_claim(mut self) -> Self {
+        self.inbox = self.inbox.clone().with_pipelined_claim();
+        self.impatient = self.impatient.clone().with_pipelined_claim();
+        self
     }
 }
 
@@ -85,8 +203,13 @@ impl Harness for PgHarness {
         let pool = PgPoolOptions::new()
             .max_connections(connections)
             .acquire_timeout(Duration::from_secs(5))
-            .connect_lazy_with(self.pool.connect_options().as_ref().clone());
-        Inbox::new(pool)
+            .connect_lazy_with(self.inbox.pool().connect_options().as_ref().clone());
+        let inbox = Inbox::new(pool);
+        if self.pooled {
+            inbox.with_transaction_pooling()
+        } else {
+            inbox
+        }
     }
 
     async fn bulk_rows(&self, consumer: &str, rows: usize) {
@@ -182,11 +305,14 @@ impl Harness for PgHarness {
         for _ in 0..500 {
             let waiting: i64 = sqlx::query_scalar(
                 "SELECT COUNT(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
-                 WHERE NOT l.granted AND a.application_name = $1
+                 WHERE NOT l.granted AND a.datname = current_database()
+                   AND (a.application_name = $1 OR $2)
                    AND (a.query LIKE 'INSERT INTO \"idempotent_inbox\" %'
                         OR a.query LIKE 'BEGIN;%EXECUTE idempotent_claim_%')",
             )
             .bind(&self.schema)
+            // Through PgBouncer, the test has a database of its own.
+            .bind(self.pooled)
             .fetch_one(&self.pool)
             .await
             .unwrap();

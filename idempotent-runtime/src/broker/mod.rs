@@ -19,7 +19,7 @@
 //!
 //! The handler receives a [`Message`]: the producer's id ([`MessageId`], the key to use), the
 //! payload and headers, and the broker's per-delivery facts in types that are not
-//! [`StableKey`](crate::StableKey)s, so that keying on them is a compile error.
+//! [`StableKey`]s, so that keying on them is a compile error.
 
 use std::fmt;
 use std::future::Future;

@@ -35,7 +35,7 @@ mod queries;
 pub mod sqlite;
 mod statements;
 
-pub(crate) use queries::Queries;
+pub(crate) use queries::{Queries, begin_alone, end_alone};
 pub(crate) use statements::{CallId, CallRow, Dialect, PurgeScope, PurgeStatements, Statements};
 
 /// A database the inbox can live in: [`sqlx::Postgres`], [`sqlx::Sqlite`] and [`sqlx::MySql`]
@@ -159,6 +159,12 @@ mod private {
             false
         }
 
+        /// Whether `error` says the session has a prepared statement of that name already
+        /// (PostgreSQL: SQLSTATE 42P05).
+        fn statement_exists(_error: &sqlx::Error) -> bool {
+            false
+        }
+
         /// The tables of schema version 1 (the first release), each statement creating one thing
         /// if it is missing; [`upgrade_ddl`](Store::upgrade_ddl) brings them to later versions.
         fn base_ddl(table: &TableName) -> Vec<String>;
@@ -205,17 +211,30 @@ mod private {
             keys: &'a [&'a [u8]],
         ) -> impl Future<Output = Result<Vec<Vec<u8>>, sqlx::Error>> + Send + 'a;
 
-        /// Takes the purger's lock for `table` on `conn` if no other session holds it.
+        /// Takes the purger's lock for `table` on `conn` if no other session holds it. `pooled`:
+        /// a pooler in transaction mode sits in front of the database (see
+        /// [`Statements::pooled`]), so a lock must not outlive a transaction.
         fn try_lock_purge<'a>(
             conn: &'a mut Self::Connection,
             table: &'a TableName,
+            pooled: bool,
         ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send + 'a;
 
         /// Releases the purger's lock taken on `conn`.
         fn unlock_purge<'a>(
             conn: &'a mut Self::Connection,
             table: &'a TableName,
+            pooled: bool,
         ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a;
+
+        /// Whether a pooler in transaction mode sits between `pool` and the database, which the
+        /// inbox's statements must then be sent for (see [`Statements::pooled`]); the inbox
+        /// refuses to [migrate](crate::Inbox::migrate) when it finds one it was not told about.
+        fn transaction_pooled(
+            _pool: &Pool<Self>,
+        ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send + '_ {
+            async { Ok(false) }
+        }
 
         /// The purger's lock lives in the session (PostgreSQL, MySQL), rather than nowhere
         /// (SQLite serializes its writers anyway).
@@ -285,11 +304,13 @@ fn fault_of_database(error: &dyn sqlx::error::DatabaseError) -> Fault {
     Fault::None
 }
 
-/// A connection holding the purger's session lock: released by [`PurgeLock::unlock`], or, when
-/// dropped without it (a cancelled purge, a purge that failed), closed, which releases the lock
-/// with the session.
+/// A connection holding the purger's lock (a session's lock; behind a pooler in transaction mode,
+/// the lock of a transaction left open on it): released by [`PurgeLock::unlock`], or, when dropped
+/// without it (a cancelled purge, a purge that failed), closed, which releases the lock with the
+/// session or the transaction.
 pub(crate) struct PurgeLock<DB: Backend> {
     connection: Option<PoolConnection<DB>>,
+    pooled: bool,
 }
 
 impl<DB: Backend> PurgeLock<DB> {
@@ -297,17 +318,22 @@ impl<DB: Backend> PurgeLock<DB> {
     pub(crate) async fn try_lock(
         pool: &Pool<DB>,
         table: &TableName,
+        pooled: bool,
     ) -> Result<Option<Self>, sqlx::Error> {
         if !DB::PURGE_LOCK {
-            return Ok(Some(Self { connection: None }));
+            return Ok(Some(Self {
+                connection: None,
+                pooled,
+            }));
         }
         // Held by the lock from here on, so that a purge dropped while the lock statement runs
         // closes the session rather than let it go back to the pool with the lock taken.
         let mut lock = Self {
             connection: Some(pool.acquire().await?),
+            pooled,
         };
         let connection = lock.connection.as_mut().expect("just set");
-        if DB::try_lock_purge(connection, table).await? {
+        if DB::try_lock_purge(connection, table, pooled).await? {
             return Ok(Some(lock));
         }
         // Not taken: nothing is held, and the connection goes back to the pool.
@@ -320,7 +346,7 @@ impl<DB: Backend> PurgeLock<DB> {
         let Some(connection) = self.connection.as_mut() else {
             return Ok(());
         };
-        DB::unlock_purge(connection, table).await?;
+        DB::unlock_purge(connection, table, self.pooled).await?;
         self.connection.take();
         Ok(())
     }

@@ -39,7 +39,14 @@
 //!
 //! Only one instance purges a table at a time: the purger holds a `GET_LOCK` named after the
 //! database and the table while it runs (closing its session if the purge is dropped half-way, as
-//! `GET_LOCK` is held by the session and is re-entrant).
+//! `GET_LOCK` is held by the session and is re-entrant). On a Galera cluster the lock is a node's
+//! own, not replicated: purgers on different nodes purge at once, and a batch that conflicts with
+//! another node's fails retryably.
+//!
+//! On Galera, copies of a message claimed on two nodes do not wait for each other: both inserts
+//! succeed, and the transaction that commits second is refused by the cluster (1213 at its commit,
+//! or under its body when the winner's write-set aborts it first), retryably, with nothing of it
+//! committed; its retry is a duplicate.
 //!
 //! Both columns of the key are binary, so they compare byte by byte: no collation folds case or
 //! trailing spaces. Stored keys are at most 64 bytes (see [`key`](crate::key)), consumer names at
@@ -277,6 +284,7 @@ impl Store for MySql {
     async fn try_lock_purge(
         conn: &mut MySqlConnection,
         table: &TableName,
+        _pooled: bool,
     ) -> Result<bool, sqlx::Error> {
         let locked: Option<i64> = sqlx::query_scalar(AssertSqlSafe(format!(
             "SELECT GET_LOCK({PURGE_LOCK_NAME}, 0)"
@@ -290,6 +298,7 @@ impl Store for MySql {
     async fn unlock_purge(
         conn: &mut MySqlConnection,
         table: &TableName,
+        _pooled: bool,
     ) -> Result<(), sqlx::Error> {
         sqlx::query(AssertSqlSafe(format!(
             "SELECT RELEASE_LOCK({PURGE_LOCK_NAME})"
@@ -324,13 +333,17 @@ fn forget_transaction(conn: &mut MySqlConnection) {
 /// What a MySQL or MariaDB error says about a retry: a deadlock (1213, also Galera's brute-force
 /// aborts and certification conflicts), a lock wait timeout (1205), too many connections (1040), an
 /// interrupted query (1317), a Galera node that is not (or no longer) part of its cluster's primary
-/// component (1047, SQLSTATE 08S01) and a serialization failure (SQLSTATE 40001) are transient; a
+/// component (1047, SQLSTATE 08S01), a commit that failed (1180: on Galera, a node that lost the
+/// primary component as it committed, whose write-set never left it) and a serialization failure
+/// (SQLSTATE 40001) are transient; a
 /// server shutting down (1053), a killed connection (1927), a session closed for inactivity (4031),
 /// the client's lost-connection errors (2006, 2013) and every connection exception (SQLSTATE class
 /// 08 but 08S01) break the connection.
 fn fault_of_error(number: u16, sqlstate: Option<&str>) -> Fault {
     match (number, sqlstate) {
-        (1213 | 1205 | 1040 | 1317 | 1047, _) | (_, Some("40001" | "08S01")) => Fault::Transient,
+        (1213 | 1205 | 1040 | 1317 | 1047 | 1180, _) | (_, Some("40001" | "08S01")) => {
+            Fault::Transient
+        }
         (1053 | 1927 | 4031 | 2006 | 2013, _) => Fault::Broken,
         (_, Some(state)) if state.starts_with("08") => Fault::Broken,
         _ => Fault::None,
@@ -343,7 +356,12 @@ mod tests {
 
     #[test]
     fn deadlocks_lock_timeouts_and_galera_conflicts_are_retryable() {
-        for (number, state) in [(1213, "40001"), (1205, "HY000"), (1047, "08S01")] {
+        for (number, state) in [
+            (1213, "40001"),
+            (1205, "HY000"),
+            (1047, "08S01"),
+            (1180, "HY000"),
+        ] {
             assert_eq!(
                 fault_of_error(number, Some(state)),
                 Fault::Transient,

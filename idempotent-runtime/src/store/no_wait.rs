@@ -110,6 +110,7 @@ mod postgres {
         ) -> Result<Attempt, sqlx::Error> {
             let (taken, inserted): (bool, bool) =
                 sqlx::query_as(AssertSqlSafe(statements.table_sql(TRY_CLAIM)))
+                    .persistent(!statements.pooled)
                     .bind(consumer)
                     .bind(key)
                     .bind(fingerprint)

@@ -21,7 +21,9 @@
 //! (at `ERROR`, with the statement, and so the key's hex), leaves a dead row version for `VACUUM`,
 //! and logs one `prepared statement does not exist` per new session before it prepares the claim.
 //! Behind a pooler in transaction mode (PgBouncer), which does not keep a session's prepared
-//! statements, it falls back to the quiet claim message by message. Its values travel as hex
+//! statements, it falls back to the quiet claim message by message, and an inbox made
+//! [`with_transaction_pooling`](crate::Inbox::with_transaction_pooling) sends the quiet claim
+//! straight away. Its values travel as hex
 //! digits that the statement decodes (`decode('…', 'hex')`), so no byte of a key or a consumer name
 //! is ever spliced into SQL.
 //!
@@ -52,11 +54,15 @@
 //! ```
 //!
 //! Only one instance purges a table at a time: the purger holds a session advisory lock on the
-//! table's OID while it runs (closing its session if the purge is dropped half-way).
+//! table's OID while it runs (closing its session if the purge is dropped half-way). Behind a
+//! pooler in transaction mode ([`Inbox::with_transaction_pooling`](crate::Inbox::with_transaction_pooling)),
+//! where a session's lock would be released by the pooler's reset or stay with a server session
+//! out of the unlock's reach, it holds a transaction's advisory lock instead, with that
+//! transaction left open, idle, for the purge's length.
 
 use sha2::{Digest, Sha256};
 use sqlx::postgres::{PgConnection, PgDatabaseError, PgTransactionManager};
-use sqlx::{AssertSqlSafe, Executor, Postgres, Row};
+use sqlx::{AssertSqlSafe, Executor, PgPool, Postgres, Row, SqlSafeStr};
 use sqlx_core::transaction::TransactionManager;
 
 use super::{Backend, Dialect, Ending, HandlerConnection, Statements, Store};
@@ -124,7 +130,9 @@ impl Store for Postgres {
         key: &[u8],
         fingerprint: Option<&[u8]>,
     ) -> Option<String> {
-        settings.pipelined.then(|| {
+        // Behind a pooler in transaction mode the session that prepared the claim is gone by the
+        // next transaction: the quiet claim, always.
+        (settings.pipelined && !statements.pooled).then(|| {
             let fingerprint = fingerprint.map_or_else(
                 || "NULL".to_owned(),
                 |fingerprint| format!("decode('{}', 'hex')", hex(fingerprint)),
@@ -181,6 +189,10 @@ impl Store for Postgres {
 
     fn lost_statement(error: &sqlx::Error) -> bool {
         sqlstate(error) == Some("26000")
+    }
+
+    fn statement_exists(error: &sqlx::Error) -> bool {
+        sqlstate(error) == Some("42P05")
     }
 
     fn base_ddl(table: &TableName) -> Vec<String> {
@@ -265,6 +277,7 @@ impl Store for Postgres {
     ) -> Result<(), sqlx::Error> {
         PgTransactionManager::begin(conn, None).await?;
         sqlx::query("SELECT pg_advisory_xact_lock($1)")
+            .persistent(false)
             .bind(MIGRATE_LOCK)
             .execute(conn)
             .await?;
@@ -285,6 +298,7 @@ impl Store for Postgres {
 
     async fn table_exists(conn: &mut PgConnection, name: &str) -> Result<bool, sqlx::Error> {
         sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
+            .persistent(false)
             .bind(format!("\"{name}\""))
             .fetch_one(conn)
             .await
@@ -302,6 +316,7 @@ impl Store for Postgres {
              SELECT $1, k FROM unnest($2::bytea[]) AS u(k) ORDER BY k \
              ON CONFLICT DO NOTHING RETURNING message_key",
         )))
+        .persistent(!statements.pooled)
         .bind(consumer)
         .bind(keys)
         .fetch_all(conn)
@@ -311,16 +326,42 @@ impl Store for Postgres {
     async fn try_lock_purge(
         conn: &mut PgConnection,
         table: &TableName,
+        pooled: bool,
     ) -> Result<bool, sqlx::Error> {
-        sqlx::query_scalar(AssertSqlSafe(format!(
-            "SELECT pg_try_advisory_lock({PURGE_LOCK_KEY})"
+        if !pooled {
+            return sqlx::query_scalar(AssertSqlSafe(format!(
+                "SELECT pg_try_advisory_lock({PURGE_LOCK_KEY})"
+            )))
+            .bind(table.quoted('"'))
+            .fetch_one(conn)
+            .await;
+        }
+        // A session's lock would stay with whichever server session the pooler ran the statement
+        // on, for as long as the pooler keeps it, out of reach of the unlock. A transaction's lock
+        // ends with its transaction: the lock's transaction stays open for the purge's length
+        // (it holds no snapshot, so it holds back no vacuum), and pins its server session.
+        PgTransactionManager::begin(conn, None).await?;
+        let locked: bool = sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT pg_try_advisory_xact_lock({PURGE_LOCK_KEY})"
         )))
+        .persistent(false)
         .bind(table.quoted('"'))
-        .fetch_one(conn)
-        .await
+        .fetch_one(&mut *conn)
+        .await?;
+        if !locked {
+            PgTransactionManager::rollback(conn).await?;
+        }
+        Ok(locked)
     }
 
-    async fn unlock_purge(conn: &mut PgConnection, table: &TableName) -> Result<(), sqlx::Error> {
+    async fn unlock_purge(
+        conn: &mut PgConnection,
+        table: &TableName,
+        pooled: bool,
+    ) -> Result<(), sqlx::Error> {
+        if pooled {
+            return PgTransactionManager::commit(conn).await;
+        }
         sqlx::query(AssertSqlSafe(format!(
             "SELECT pg_advisory_unlock({PURGE_LOCK_KEY})"
         )))
@@ -329,6 +370,53 @@ impl Store for Postgres {
         .await?;
         Ok(())
     }
+
+    async fn transaction_pooled(pool: &PgPool) -> Result<bool, sqlx::Error> {
+        transaction_pooled(pool).await
+    }
+}
+
+/// Whether a pooler in transaction mode sits between `pool` and PostgreSQL: a statement prepared
+/// on one of its connections is then missing from that connection's next transaction, or shows up
+/// in another client's. A session keeps its prepared statements to itself; a pooler hands the
+/// server session a transaction ran on to the next client (PgBouncer: the one it freed last, so
+/// another client's transaction, opened right after, sees the statement). Three rounds, so that a
+/// busy pooler that happens to hand the session back to the same client is still found out.
+async fn transaction_pooled(pool: &PgPool) -> Result<bool, sqlx::Error> {
+    use sqlx::ConnectOptions;
+    let mut ours = pool.acquire().await?;
+    let mut other = pool.connect_options().connect().await?;
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |elapsed| elapsed.as_nanos());
+    let mut pooled = false;
+    for round in 0..3 {
+        // Only digits and letters, spliced into the probe's statements.
+        let name = format!("idempotent_probe_{}_{nanos}_{round}", std::process::id());
+        let has = format!("SELECT count(*) FROM pg_prepared_statements WHERE name = '{name}'");
+        let has = AssertSqlSafe(has).into_sql_str();
+        ours.execute(AssertSqlSafe(format!("PREPARE {name} AS SELECT 1")))
+            .await?;
+        other.execute("BEGIN").await?;
+        let elsewhere: i64 = sqlx::raw_sql(has.clone())
+            .fetch_one(&mut other)
+            .await?
+            .try_get(0)?;
+        let here: i64 = sqlx::raw_sql(has).fetch_one(&mut *ours).await?.try_get(0)?;
+        other.execute("ROLLBACK").await?;
+        if elsewhere > 0 || here == 0 {
+            pooled = true;
+            break;
+        }
+        ours.execute(AssertSqlSafe(format!("DEALLOCATE {name}")))
+            .await?;
+    }
+    // The connection that prepared a probe still may hold it: it is closed, not handed back.
+    if pooled {
+        ours.close_on_drop();
+    }
+    let _ = sqlx::Connection::close(other).await;
+    Ok(pooled)
 }
 
 /// The pipelined claim as a statement a session prepares: `PREPARE idempotent_claim_…` and its
@@ -360,12 +448,16 @@ fn sqlstate(error: &sqlx::Error) -> Option<&str> {
 /// statement timeout, too many connections, the server starting up and a transaction aborted by an
 /// earlier failure (25P02, as [`InboxError::TransactionAborted`](crate::InboxError)) are
 /// transient; the server
-/// shutting down, every connection exception (class 08) and a lost prepared statement (26000, which
-/// sqlx's statement cache cannot recover from) break the connection.
+/// shutting down, every connection exception (class 08), a prepared statement the session lost or
+/// unexpectedly has (26000, 42P05: sqlx's statement cache cannot recover from either; behind a
+/// pooler in transaction mode that the inbox was not told about, the session changed under it) and
+/// a write refused as read-only (25006: the session is on a standby, such as a failed primary
+/// brought back as one, or a standby not yet promoted; another connection may reach the primary)
+/// break the connection.
 fn fault_of_code(code: &str) -> Fault {
     match code {
         "40001" | "40P01" | "55P03" | "57014" | "57P03" | "53300" | "25P02" => Fault::Transient,
-        "57P01" | "57P02" | "26000" => Fault::Broken,
+        "57P01" | "57P02" | "26000" | "42P05" | "25006" => Fault::Broken,
         _ if code.starts_with("08") => Fault::Broken,
         _ => Fault::None,
     }
@@ -380,7 +472,7 @@ mod tests {
         for code in ["40001", "40P01", "55P03", "57014", "53300", "25P02"] {
             assert_eq!(fault_of_code(code), Fault::Transient, "{code}");
         }
-        for code in ["57P01", "08006", "08003", "26000"] {
+        for code in ["57P01", "08006", "08003", "26000", "42P05", "25006"] {
             assert_eq!(fault_of_code(code), Fault::Broken, "{code}");
         }
         for code in ["23505", "42P01", "22P02", "42501"] {

@@ -3,11 +3,16 @@
 //! `Queries` is implemented once, for every database whose driver can run them; [`Backend`]
 //! requires it, so code generic over a backend calls these without repeating the driver's bounds.
 //!
+//! Behind a pooler in transaction mode ([`Statements::pooled`]) every statement here is sent
+//! unprepared, and those that run outside a handler's transaction (the reads, the purge's steps,
+//! the steps of a call, the operators' reads) run in a transaction of their own.
+//!
 //! [`Backend`]: super::Backend
 
 use std::future::Future;
 
 use sqlx::{AssertSqlSafe, Database, Decode, Encode, Executor, Type};
+use sqlx_core::transaction::TransactionManager;
 
 use super::private::Store;
 use super::statements::{
@@ -37,6 +42,44 @@ macro_rules! bind_purge {
             }
         }
         query
+    }};
+}
+
+/// Begins the transaction of its own that a statement outside a handler's transaction runs in
+/// behind a pooler in transaction mode (see [`Statements::pooled`]); nothing otherwise. Never on a
+/// connection in a transaction: sqlx would not know of it, and would end it.
+pub(crate) async fn begin_alone<DB: Database>(
+    conn: &mut DB::Connection,
+    statements: &Statements,
+) -> Result<(), sqlx::Error> {
+    if statements.pooled {
+        DB::TransactionManager::begin(conn, None).await?;
+    }
+    Ok(())
+}
+
+/// Ends what [`begin_alone`] began: commits after `outcome` succeeded, rolls back after it failed
+/// (and on a failed rollback the caller closes the connection, which ends the transaction).
+pub(crate) async fn end_alone<DB: Database, T>(
+    conn: &mut DB::Connection,
+    statements: &Statements,
+    outcome: Result<T, sqlx::Error>,
+) -> Result<T, sqlx::Error> {
+    if statements.pooled {
+        match outcome {
+            Ok(_) => DB::TransactionManager::commit(conn).await?,
+            Err(_) => DB::TransactionManager::rollback(conn).await?,
+        }
+    }
+    outcome
+}
+
+/// Runs the future `$run` (which uses `$conn`) between [`begin_alone`] and [`end_alone`].
+macro_rules! alone {
+    ($conn:ident, $statements:expr, $run:expr) => {{
+        begin_alone::<DB>($conn, $statements).await?;
+        let outcome = $run.await;
+        end_alone::<DB, _>($conn, $statements, outcome).await
     }};
 }
 
@@ -99,6 +142,7 @@ pub trait Queries: Store {
     /// Runs a statement of the purge (see [`Statements::purge`]); the rows it changed.
     fn purge_step<'a>(
         conn: &'a mut Self::Connection,
+        statements: &'a Statements,
         sql: &'a PurgeSql,
         cutoff: i64,
         consumers: &'a [String],
@@ -108,6 +152,7 @@ pub trait Queries: Store {
     /// The consumers a purge pass finds expired rows of (see [`Statements::purge`]).
     fn purge_consumers<'a>(
         conn: &'a mut Self::Connection,
+        statements: &'a Statements,
         sql: &'a PurgeSql,
         cutoff: i64,
         consumers: &'a [String],
@@ -124,6 +169,7 @@ pub trait Queries: Store {
     /// Runs a count of the purge's dry run: `(consumer, rows)`.
     fn purge_count<'a>(
         conn: &'a mut Self::Connection,
+        statements: &'a Statements,
         sql: &'a PurgeSql,
         cutoff: i64,
         consumers: &'a [String],
@@ -303,6 +349,7 @@ where
         fingerprint: Option<&[u8]>,
     ) -> Result<bool, sqlx::Error> {
         let done = sqlx::query(AssertSqlSafe(statements.claim.clone()))
+            .persistent(!statements.pooled)
             .bind(consumer)
             .bind(key)
             .bind(fingerprint)
@@ -318,6 +365,7 @@ where
         key: &[u8],
     ) -> Result<(), sqlx::Error> {
         sqlx::query(AssertSqlSafe(statements.forget_claim.clone()))
+            .persistent(!statements.pooled)
             .bind(consumer)
             .bind(key)
             .execute(conn)
@@ -333,6 +381,7 @@ where
         response: &[u8],
     ) -> Result<(), sqlx::Error> {
         sqlx::query(AssertSqlSafe(statements.set_response.clone()))
+            .persistent(!statements.pooled)
             .bind(response)
             .bind(consumer)
             .bind(key)
@@ -347,54 +396,66 @@ where
         consumer: &str,
         key: &[u8],
     ) -> Result<Option<StoredRow>, sqlx::Error> {
-        sqlx::query_as(AssertSqlSafe(statements.stored.clone()))
-            .bind(consumer)
-            .bind(key)
-            .fetch_optional(conn)
-            .await
+        alone!(
+            conn,
+            statements,
+            sqlx::query_as(AssertSqlSafe(statements.stored.clone()))
+                .persistent(!statements.pooled)
+                .bind(consumer)
+                .bind(key)
+                .fetch_optional(&mut *conn)
+        )
     }
 
     async fn now_ms(
         conn: &mut DB::Connection,
         statements: &Statements,
     ) -> Result<i64, sqlx::Error> {
-        sqlx::query_scalar(AssertSqlSafe(statements.now.clone()))
-            .fetch_one(conn)
-            .await
+        alone!(
+            conn,
+            statements,
+            sqlx::query_scalar(AssertSqlSafe(statements.now.clone()))
+                .persistent(!statements.pooled)
+                .fetch_one(&mut *conn)
+        )
     }
 
     async fn purge_step(
         conn: &mut DB::Connection,
+        statements: &Statements,
         sql: &PurgeSql,
         cutoff: i64,
         consumers: &[String],
         batch: i64,
     ) -> Result<u64, sqlx::Error> {
-        let query = sqlx::query(AssertSqlSafe(sql.sql.clone()));
+        let query = sqlx::query(AssertSqlSafe(sql.sql.clone())).persistent(!statements.pooled);
         let query = bind_purge!(query, sql, cutoff, consumers, batch);
-        Ok(query.execute(conn).await?.rows())
+        Ok(alone!(conn, statements, query.execute(&mut *conn))?.rows())
     }
 
     async fn purge_count(
         conn: &mut DB::Connection,
+        statements: &Statements,
         sql: &PurgeSql,
         cutoff: i64,
         consumers: &[String],
     ) -> Result<Vec<(String, i64)>, sqlx::Error> {
-        let query = sqlx::query_as(AssertSqlSafe(sql.sql.clone()));
+        let query = sqlx::query_as(AssertSqlSafe(sql.sql.clone())).persistent(!statements.pooled);
         let query = bind_purge!(query, sql, cutoff, consumers, 0i64);
-        query.fetch_all(conn).await
+        alone!(conn, statements, query.fetch_all(&mut *conn))
     }
 
     async fn purge_consumers(
         conn: &mut DB::Connection,
+        statements: &Statements,
         sql: &PurgeSql,
         cutoff: i64,
         consumers: &[String],
     ) -> Result<Vec<String>, sqlx::Error> {
-        let query = sqlx::query_scalar(AssertSqlSafe(sql.sql.clone()));
+        let query =
+            sqlx::query_scalar(AssertSqlSafe(sql.sql.clone())).persistent(!statements.pooled);
         let query = bind_purge!(query, sql, cutoff, consumers, 0i64);
-        query.fetch_all(conn).await
+        alone!(conn, statements, query.fetch_all(&mut *conn))
     }
 
     async fn record_horizon(
@@ -403,11 +464,15 @@ where
         consumer: &str,
         until: i64,
     ) -> Result<(), sqlx::Error> {
-        sqlx::query(AssertSqlSafe(statements.record_horizon.clone()))
-            .bind(consumer)
-            .bind(until)
-            .execute(conn)
-            .await?;
+        alone!(
+            conn,
+            statements,
+            sqlx::query(AssertSqlSafe(statements.record_horizon.clone()))
+                .persistent(!statements.pooled)
+                .bind(consumer)
+                .bind(until)
+                .execute(&mut *conn)
+        )?;
         Ok(())
     }
 
@@ -417,6 +482,7 @@ where
         consumer: &str,
     ) -> Result<Option<i64>, sqlx::Error> {
         sqlx::query_scalar(AssertSqlSafe(statements.horizon.clone()))
+            .persistent(!statements.pooled)
             .bind(consumer)
             .fetch_optional(conn)
             .await
@@ -429,6 +495,7 @@ where
         key: &[u8],
     ) -> Result<Option<InspectRow>, sqlx::Error> {
         sqlx::query_as(AssertSqlSafe(statements.inspect.clone()))
+            .persistent(!statements.pooled)
             .bind(consumer)
             .bind(key)
             .fetch_optional(conn)
@@ -443,16 +510,20 @@ where
         (at, key): (i64, &[u8]),
         limit: i64,
     ) -> Result<Vec<ListRow>, sqlx::Error> {
-        sqlx::query_as(AssertSqlSafe(statements.list.clone()))
-            .bind(consumer)
-            .bind(from)
-            .bind(until)
-            .bind(at)
-            .bind(at)
-            .bind(key)
-            .bind(limit)
-            .fetch_all(conn)
-            .await
+        alone!(
+            conn,
+            statements,
+            sqlx::query_as(AssertSqlSafe(statements.list.clone()))
+                .persistent(!statements.pooled)
+                .bind(consumer)
+                .bind(from)
+                .bind(until)
+                .bind(at)
+                .bind(at)
+                .bind(key)
+                .bind(limit)
+                .fetch_all(&mut *conn)
+        )
     }
 
     async fn stuck_calls(
@@ -461,12 +532,16 @@ where
         consumer: Option<&str>,
         limit: i64,
     ) -> Result<Vec<StuckRow>, sqlx::Error> {
-        sqlx::query_as(AssertSqlSafe(statements.stuck_calls.clone()))
-            .bind(i64::from(consumer.is_none()))
-            .bind(consumer.unwrap_or(""))
-            .bind(limit)
-            .fetch_all(conn)
-            .await
+        alone!(
+            conn,
+            statements,
+            sqlx::query_as(AssertSqlSafe(statements.stuck_calls.clone()))
+                .persistent(!statements.pooled)
+                .bind(i64::from(consumer.is_none()))
+                .bind(consumer.unwrap_or(""))
+                .bind(limit)
+                .fetch_all(&mut *conn)
+        )
     }
 
     async fn forget(
@@ -476,6 +551,7 @@ where
         key: &[u8],
     ) -> Result<bool, sqlx::Error> {
         let done = sqlx::query(AssertSqlSafe(statements.forget.clone()))
+            .persistent(!statements.pooled)
             .bind(consumer)
             .bind(key)
             .execute(conn)
@@ -492,6 +568,7 @@ where
         processed_ms: i64,
     ) -> Result<(), sqlx::Error> {
         sqlx::query(AssertSqlSafe(statements.audit_insert.clone()))
+            .persistent(!statements.pooled)
             .bind(consumer)
             .bind(digest)
             .bind(reason)
@@ -507,28 +584,37 @@ where
         consumer: Option<&str>,
         limit: i64,
     ) -> Result<Vec<AuditRow>, sqlx::Error> {
-        sqlx::query_as(AssertSqlSafe(statements.audit_read.clone()))
-            .bind(i64::from(consumer.is_none()))
-            .bind(consumer.unwrap_or(""))
-            .bind(limit)
-            .fetch_all(conn)
-            .await
+        alone!(
+            conn,
+            statements,
+            sqlx::query_as(AssertSqlSafe(statements.audit_read.clone()))
+                .persistent(!statements.pooled)
+                .bind(i64::from(consumer.is_none()))
+                .bind(consumer.unwrap_or(""))
+                .bind(limit)
+                .fetch_all(&mut *conn)
+        )
     }
 
     async fn stats(
         conn: &mut DB::Connection,
         statements: &Statements,
     ) -> Result<StatsRows, sqlx::Error> {
-        let rows = sqlx::query_as(AssertSqlSafe(statements.stats_rows.clone()))
-            .fetch_all(&mut *conn)
-            .await?;
-        let calls = sqlx::query_as(AssertSqlSafe(statements.stats_calls.clone()))
-            .fetch_all(&mut *conn)
-            .await?;
-        let horizons = sqlx::query_as(AssertSqlSafe(statements.stats_horizons.clone()))
-            .fetch_all(&mut *conn)
-            .await?;
-        Ok((rows, calls, horizons))
+        alone!(conn, statements, async {
+            let rows = sqlx::query_as(AssertSqlSafe(statements.stats_rows.clone()))
+                .persistent(!statements.pooled)
+                .fetch_all(&mut *conn)
+                .await?;
+            let calls = sqlx::query_as(AssertSqlSafe(statements.stats_calls.clone()))
+                .persistent(!statements.pooled)
+                .fetch_all(&mut *conn)
+                .await?;
+            let horizons = sqlx::query_as(AssertSqlSafe(statements.stats_horizons.clone()))
+                .persistent(!statements.pooled)
+                .fetch_all(&mut *conn)
+                .await?;
+            Ok((rows, calls, horizons))
+        })
     }
 
     async fn schema_version(
@@ -536,6 +622,7 @@ where
         statements: &Statements,
     ) -> Result<Option<i64>, sqlx::Error> {
         sqlx::query_scalar(AssertSqlSafe(statements.schema_version.clone()))
+            .persistent(!statements.pooled)
             .fetch_one(conn)
             .await
     }
@@ -546,13 +633,17 @@ where
         id: CallId<'_>,
         lease_ms: i64,
     ) -> Result<bool, sqlx::Error> {
-        let done = sqlx::query(AssertSqlSafe(statements.call_insert.clone()))
-            .bind(id.consumer)
-            .bind(id.key)
-            .bind(id.name)
-            .bind(lease_ms)
-            .execute(conn)
-            .await?;
+        let done = alone!(
+            conn,
+            statements,
+            sqlx::query(AssertSqlSafe(statements.call_insert.clone()))
+                .persistent(!statements.pooled)
+                .bind(id.consumer)
+                .bind(id.key)
+                .bind(id.name)
+                .bind(lease_ms)
+                .execute(&mut *conn)
+        )?;
         Ok(done.rows() == 1)
     }
 
@@ -561,12 +652,16 @@ where
         statements: &Statements,
         id: CallId<'_>,
     ) -> Result<Option<CallRow>, sqlx::Error> {
-        sqlx::query_as(AssertSqlSafe(statements.call_read.clone()))
-            .bind(id.consumer)
-            .bind(id.key)
-            .bind(id.name)
-            .fetch_optional(conn)
-            .await
+        alone!(
+            conn,
+            statements,
+            sqlx::query_as(AssertSqlSafe(statements.call_read.clone()))
+                .persistent(!statements.pooled)
+                .bind(id.consumer)
+                .bind(id.key)
+                .bind(id.name)
+                .fetch_optional(&mut *conn)
+        )
     }
 
     async fn call_take_over(
@@ -576,14 +671,18 @@ where
         fence: i64,
         lease_ms: i64,
     ) -> Result<bool, sqlx::Error> {
-        let done = sqlx::query(AssertSqlSafe(statements.call_take_over.clone()))
-            .bind(lease_ms)
-            .bind(id.consumer)
-            .bind(id.key)
-            .bind(id.name)
-            .bind(fence)
-            .execute(conn)
-            .await?;
+        let done = alone!(
+            conn,
+            statements,
+            sqlx::query(AssertSqlSafe(statements.call_take_over.clone()))
+                .persistent(!statements.pooled)
+                .bind(lease_ms)
+                .bind(id.consumer)
+                .bind(id.key)
+                .bind(id.name)
+                .bind(fence)
+                .execute(&mut *conn)
+        )?;
         Ok(done.rows() == 1)
     }
 
@@ -594,14 +693,18 @@ where
         fence: i64,
         result: &[u8],
     ) -> Result<bool, sqlx::Error> {
-        let done = sqlx::query(AssertSqlSafe(statements.call_complete.clone()))
-            .bind(result)
-            .bind(id.consumer)
-            .bind(id.key)
-            .bind(id.name)
-            .bind(fence)
-            .execute(conn)
-            .await?;
+        let done = alone!(
+            conn,
+            statements,
+            sqlx::query(AssertSqlSafe(statements.call_complete.clone()))
+                .persistent(!statements.pooled)
+                .bind(result)
+                .bind(id.consumer)
+                .bind(id.key)
+                .bind(id.name)
+                .bind(fence)
+                .execute(&mut *conn)
+        )?;
         Ok(done.rows() == 1)
     }
 
@@ -612,6 +715,7 @@ where
         fence: i64,
     ) -> Result<bool, sqlx::Error> {
         let done = sqlx::query(AssertSqlSafe(statements.call_release.clone()))
+            .persistent(!statements.pooled)
             .bind(id.consumer)
             .bind(id.key)
             .bind(id.name)

@@ -314,6 +314,7 @@ impl Store for Sqlite {
     async fn try_lock_purge(
         _conn: &mut SqliteConnection,
         _table: &TableName,
+        _pooled: bool,
     ) -> Result<bool, sqlx::Error> {
         // SQLite serializes writers: two purgers only take turns, batch by batch.
         Ok(true)
@@ -322,6 +323,7 @@ impl Store for Sqlite {
     async fn unlock_purge(
         _conn: &mut SqliteConnection,
         _table: &TableName,
+        _pooled: bool,
     ) -> Result<(), sqlx::Error> {
         Ok(())
     }

@@ -106,6 +106,13 @@ pub struct Statements {
     /// The newest schema version recorded.
     pub(crate) schema_version: Arc<str>,
     pub(crate) call_release: Arc<str>,
+    /// A pooler in transaction mode (PgBouncer's `pool_mode = transaction`) sits between the inbox
+    /// and the database, and hands each transaction whichever server session is free. So the
+    /// inbox's statements are not prepared (a prepared statement lives in one server session, and
+    /// sqlx names them alike on every connection), and those it runs outside a handler's
+    /// transaction run in a transaction of their own: outside a transaction the pooler may send a
+    /// statement's parse and its execution to two different sessions.
+    pub(crate) pooled: bool,
 }
 
 /// Numbers placeholders as the dialect wants them.
@@ -360,7 +367,14 @@ impl Statements {
             stats_horizons: stats_horizons.into(),
             schema_version: schema_version.into(),
             call_release: call_release.into(),
+            pooled: false,
         }
+    }
+
+    /// These statements, sent as behind a pooler in transaction mode or not (see
+    /// [`pooled`](Self::pooled)).
+    pub(crate) fn with_pooling(self, pooled: bool) -> Self {
+        Self { pooled, ..self }
     }
 
     /// `template` with `{t}` replaced by the quoted table name.
