@@ -436,12 +436,8 @@ async fn nats(pool: &PgPool, inbox: &Inbox<Postgres>, count: usize) -> Vec<(&'st
     reset(pool).await;
     let batch = messages(count, false);
     let (jetstream, consumer, dead) = nats_stream(&batch).await;
-    let mut pulled = consumer
-        .stream()
-        .max_messages_per_batch(1)
-        .messages()
-        .await
-        .unwrap();
+    // What a hand-written consumer writes: async-nats's default pull stream (200 at a time).
+    let mut pulled = consumer.messages().await.unwrap();
     let worker_inbox = inbox.for_worker();
     let start = Instant::now();
     for _ in 0..batch.len() {

@@ -40,7 +40,8 @@
 //!   them the delivery is terminated (`term`): JetStream will not deliver it again.
 //! - A handler that runs longer than half the consumer's `ack_wait` sends in-progress acks, so
 //!   JetStream does not deliver the message to someone else meanwhile.
-//! - The runner pulls at most `workers` messages at a time. On shutdown it stops pulling, settles
+//! - The runner pulls at most `workers` messages at a time (batches: `workers` × the batch size),
+//!   one pull request at a time. On shutdown it stops pulling, settles
 //!   the deliveries in flight, and `nak`s (without delay) those it had pulled but not started.
 //!
 //! JetStream's own duplicate detection (`Nats-Msg-Id` within the stream's duplicate window) drops
@@ -200,20 +201,20 @@ impl Runner {
             // In-progress acks well before JetStream gives up on the delivery.
             progress_every: (ack_wait / 2).max(Duration::from_millis(100)),
         });
-        let mut messages = self
-            .consumer
-            .stream()
-            .max_messages_per_batch(self.options.workers * take.most)
-            .messages()
-            .await
-            .map_err(BrokerError::broker)?;
-        let deliveries = messages.by_ref().map(|message| {
-            message
-                .map(|message| NatsDelivery {
-                    message,
-                    context: context.clone(),
-                })
-                .map_err(BrokerError::broker)
+        let mut pull = Pull {
+            consumer: self.consumer.clone(),
+            size: self.options.workers * take.most,
+            current: None,
+        };
+        let deliveries = futures_util::stream::unfold(&mut pull, |pull| async move {
+            let message = pull.next().await;
+            Some((message, pull))
+        })
+        .map(|message| {
+            message.map(|message| NatsDelivery {
+                message,
+                context: context.clone(),
+            })
         });
         let driven = drive(
             deliveries,
@@ -223,14 +224,59 @@ impl Runner {
             process,
         )
         .await;
-        // Pulled but not started: back to JetStream at once.
-        while let Ok(Some(Ok(message))) =
-            tokio::time::timeout(Duration::from_millis(50), messages.next()).await
-        {
-            let _ = message.ack_with(AckKind::Nak(None)).await;
+        // Pulled but not started: back to JetStream at once. Only the pull request under way:
+        // the runner makes no new one.
+        if let Some(mut batch) = pull.current.take() {
+            while let Ok(Some(Ok(message))) =
+                tokio::time::timeout(Duration::from_millis(50), batch.next()).await
+            {
+                let _ = message.ack_with(AckKind::Nak(None)).await;
+            }
         }
         driven?;
         Ok(self.options.counters.snapshot())
+    }
+}
+
+/// How long a pull request waits on the server for messages before it ends empty-handed.
+const PULL_EXPIRES: Duration = Duration::from_secs(5);
+
+/// The runner's pull requests: one at a time, each for up to `size` messages (async-nats's
+/// [`consumer.batch()`](PullConsumer::batch)), the next made once the last one ended. Not
+/// async-nats's endless `consumer.stream()`: with a handful of messages per request its
+/// accounting can miss that a request was answered (when the messages arrive before the client
+/// saw its request go out, as on a busy machine) and wait the request's expiry plus 5 s, 35 s by
+/// default, before it asks again.
+struct Pull {
+    consumer: PullConsumer,
+    size: usize,
+    current: Option<jetstream::consumer::pull::Batch>,
+}
+
+impl Pull {
+    /// The next message, making pull requests until one brings it.
+    async fn next(&mut self) -> Result<jetstream::Message, BrokerError> {
+        loop {
+            if let Some(batch) = self.current.as_mut() {
+                match batch.next().await {
+                    Some(Ok(message)) => return Ok(message),
+                    Some(Err(error)) => {
+                        self.current = None;
+                        return Err(BrokerError::Broker(error));
+                    }
+                    None => self.current = None,
+                }
+            }
+            let batch = self
+                .consumer
+                .batch()
+                .max_messages(self.size)
+                .expires(PULL_EXPIRES)
+                .messages()
+                .await
+                .map_err(BrokerError::broker)?;
+            self.current = Some(batch);
+        }
     }
 }
 
