@@ -8,7 +8,7 @@
 //! (`IDEMPOTENT_PG_URL`, `IDEMPOTENT_AMQP_URL`, `IDEMPOTENT_NATS_URL`: `scripts/postgres start`,
 //! `scripts/rabbitmq start` and `scripts/nats start` print them.)
 //!
-//! For each broker, the same messages (a payment to one of 10,000 accounts each; on RabbitMQ 20% of
+//! For each broker, the same messages (a payment to one of 1,000,000 accounts each; on RabbitMQ 20% of
 //! them published twice, as a retrying producer does, where JetStream drops such copies itself; 5%
 //! failing in the handler, which dead-letters them):
 //! - **broker**: consumed and acknowledged by a hand-written loop doing no database work: the
@@ -37,7 +37,10 @@ use rand::Rng;
 use serde::{Deserialize, Serialize};
 use sqlx::{PgConnection, PgPool, Postgres};
 
-const ACCOUNTS: i64 = 10_000;
+/// Enough accounts that two batches in flight rarely update the same one: a batch holds each row's
+/// lock until it commits, so with few rows, random updates deadlock across batches (PostgreSQL
+/// finds it after `deadlock_timeout`, 1 s), which measures the workload, not the runner.
+const ACCOUNTS: i64 = 1_000_000;
 
 #[derive(Serialize, Deserialize)]
 struct Payment {
@@ -138,7 +141,7 @@ async fn reset(pool: &PgPool) {
     for sql in [
         "DROP TABLE IF EXISTS accounts",
         "CREATE TABLE accounts (id BIGINT PRIMARY KEY, balance BIGINT NOT NULL)",
-        "INSERT INTO accounts SELECT g, 0 FROM generate_series(1, 10000) g",
+        "INSERT INTO accounts SELECT g, 0 FROM generate_series(1, 1000000) g",
         "TRUNCATE idempotent_inbox",
         "VACUUM ANALYZE",
     ] {
