@@ -1,9 +1,10 @@
 //! What the broker runners cost, measured in one run on this machine's RabbitMQ and NATS JetStream
 //! with the `#[idempotent]` handler on PostgreSQL; prints a table of messages per second and
-//! ratios.
+//! ratios. Each figure is the median of `--rounds` rounds (3 by default; the brokers' rounds
+//! alternate).
 //!
 //! ```text
-//! cargo run --release --example bench_broker --features rabbitmq,nats,postgres
+//! cargo run --release --example bench_broker --features rabbitmq,nats,postgres -- --rounds 5
 //! ```
 //! (`IDEMPOTENT_PG_URL`, `IDEMPOTENT_AMQP_URL`, `IDEMPOTENT_NATS_URL`: `scripts/postgres start`,
 //! `scripts/rabbitmq start` and `scripts/nats start` print them.)
@@ -504,12 +505,28 @@ async fn nats(pool: &PgPool, inbox: &Inbox<Postgres>, count: usize) -> Vec<(&'st
     rows
 }
 
+/// Each measurement's median over the rounds.
+fn medians(rounds: &[Vec<(&'static str, f64)>]) -> Vec<(&'static str, f64)> {
+    (0..rounds[0].len())
+        .map(|i| {
+            let mut rates: Vec<f64> = rounds.iter().map(|round| round[i].1).collect();
+            rates.sort_by(f64::total_cmp);
+            (rounds[0][i].0, rates[rates.len() / 2])
+        })
+        .collect()
+}
+
+fn arg(name: &str, default: usize) -> usize {
+    std::env::args()
+        .skip_while(|a| a != name)
+        .nth(1)
+        .map_or(default, |n| n.parse().expect("a number"))
+}
+
 #[tokio::main]
 async fn main() {
-    let count: usize = std::env::args()
-        .skip_while(|a| a != "--messages")
-        .nth(1)
-        .map_or(3000, |n| n.parse().expect("a number"));
+    let count = arg("--messages", 3000);
+    let rounds = arg("--rounds", 3).max(1);
     let url = std::env::var("IDEMPOTENT_PG_URL").expect("IDEMPOTENT_PG_URL");
     let pool = sqlx::postgres::PgPoolOptions::new()
         .max_connections(12)
@@ -518,12 +535,19 @@ async fn main() {
         .unwrap();
     let inbox = Inbox::new(pool.clone());
     inbox.migrate().await.unwrap();
+    // The brokers' rounds alternate, so that a slow spell of the machine does not hit one broker's
+    // every round.
+    let (mut amqp, mut jetstream) = (Vec::new(), Vec::new());
+    for _ in 0..rounds {
+        amqp.push(rabbitmq(&pool, &inbox, count).await);
+        jetstream.push(nats(&pool, &inbox, count).await);
+    }
     for (broker, rows) in [
-        ("RabbitMQ", rabbitmq(&pool, &inbox, count).await),
-        ("NATS JetStream", nats(&pool, &inbox, count).await),
+        ("RabbitMQ", medians(&amqp)),
+        ("NATS JetStream", medians(&jetstream)),
     ] {
         println!(
-            "\n{broker}, {count} messages (5% failing{}), PostgreSQL:",
+            "\n{broker}, {count} messages (5% failing{}), PostgreSQL, medians of {rounds} rounds:",
             if broker == "RabbitMQ" {
                 ", 20% published twice"
             } else {
