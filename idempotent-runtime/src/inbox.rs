@@ -272,7 +272,12 @@ impl<DB: Backend> Inbox<DB> {
                     }
                 }
                 tracing::debug!(consumer, key = %key.digest(), "claimed message key");
-                return Ok(Claim::New(Claimed::new(tx, consumer, key.into_owned(), self)));
+                return Ok(Claim::New(Claimed::new(
+                    tx,
+                    consumer,
+                    key.into_owned(),
+                    self,
+                )));
             }
             ClaimOutcome::Duplicate(session) => session,
         };

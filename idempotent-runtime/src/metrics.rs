@@ -71,8 +71,14 @@ pub fn describe() {
         OUTBOX_RETRIED,
         "Failed publications of outgoing messages, to be tried again, by reason"
     );
-    ::metrics::describe_counter!(OUTBOX_PARKED, "Outgoing messages parked after their last attempt");
-    ::metrics::describe_gauge!(OUTBOX_BACKLOG, "Outgoing messages committed and not yet sent");
+    ::metrics::describe_counter!(
+        OUTBOX_PARKED,
+        "Outgoing messages parked after their last attempt"
+    );
+    ::metrics::describe_gauge!(
+        OUTBOX_BACKLOG,
+        "Outgoing messages committed and not yet sent"
+    );
     ::metrics::describe_gauge!(
         OUTBOX_OLDEST,
         ::metrics::Unit::Seconds,

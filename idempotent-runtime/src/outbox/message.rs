@@ -188,7 +188,9 @@ impl Outbox {
 
     /// The queued messages with their ids, in order.
     pub fn messages(&self) -> impl Iterator<Item = (&str, &OutgoingMessage)> {
-        self.queued.iter().map(|(id, message)| (id.as_str(), message))
+        self.queued
+            .iter()
+            .map(|(id, message)| (id.as_str(), message))
     }
 
     /// How many messages are queued.
@@ -204,7 +206,8 @@ impl Outbox {
     /// Checks every message before anything is written.
     fn check(&self) -> Result<(), InboxError> {
         for (position, (id, message)) in self.queued.iter().enumerate() {
-            check_message(id, message).map_err(|reason| InboxError::Outgoing { position, reason })?;
+            check_message(id, message)
+                .map_err(|reason| InboxError::Outgoing { position, reason })?;
         }
         Ok(())
     }

@@ -121,7 +121,7 @@ use std::time::Duration;
 
 pub use message::{Destination, MAX_TEXT_LEN, Outbox, OutgoingMessage};
 pub use operations::{OutboxRecord, OutboxState, OutboxStats};
-pub use publisher::{PublishError, Publication, Publisher};
+pub use publisher::{Publication, PublishError, Publisher};
 pub use relay::{Relay, RelayOptions, RelayReport, RelayStats};
 
 use crate::error::InboxError;

@@ -16,7 +16,7 @@ use tokio::sync::{Notify, watch};
 use tokio::task::JoinHandle;
 
 use super::message::{Destination, decode_headers};
-use super::publisher::{PublishError, Publication, Publisher};
+use super::publisher::{Publication, PublishError, Publisher};
 use crate::clock::millis;
 use crate::error::{InboxError, Stage};
 use crate::inbox::{Inbox, commit};
@@ -379,9 +379,7 @@ fn next_pause(last: Duration) -> Duration {
 }
 
 /// `(pending rows, age of the oldest)`.
-pub(crate) async fn backlog<DB: Backend>(
-    inbox: &Inbox<DB>,
-) -> Result<(u64, Duration), InboxError> {
+pub(crate) async fn backlog<DB: Backend>(inbox: &Inbox<DB>) -> Result<(u64, Duration), InboxError> {
     let failed = || database_error(Stage::Relay);
     let mut session = Session::take(inbox.source()).await.map_err(failed())?;
     let (rows, oldest, now) =
@@ -461,17 +459,19 @@ async fn run_batch<DB: Backend, P: Publisher>(
             attempt: u32::try_from(row.6).unwrap_or(u32::MAX).saturating_add(1),
         })
         .collect();
-    let outcomes = futures_util::future::join_all(publications.iter().map(|publication| async move {
-        match tokio::time::timeout(options.publish_timeout, publisher.publish(publication)).await
-        {
-            Ok(outcome) => outcome,
-            Err(_) => Err(PublishError::unavailable(format!(
-                "no confirmation within {:?}",
-                options.publish_timeout
-            ))),
-        }
-    }))
-    .await;
+    let outcomes =
+        futures_util::future::join_all(publications.iter().map(|publication| async move {
+            match tokio::time::timeout(options.publish_timeout, publisher.publish(publication))
+                .await
+            {
+                Ok(outcome) => outcome,
+                Err(_) => Err(PublishError::unavailable(format!(
+                    "no confirmation within {:?}",
+                    options.publish_timeout
+                ))),
+            }
+        }))
+        .await;
 
     let mut report = RelayReport {
         taken: rows.len(),
@@ -554,8 +554,7 @@ mod tests {
 
     #[test]
     fn retry_delays_double_up_to_the_longest() {
-        let options = RelayOptions::default()
-            .attempts(5, Duration::from_secs(1));
+        let options = RelayOptions::default().attempts(5, Duration::from_secs(1));
         let delays: Vec<u64> = (1..=4).map(|n| options.retry_delay(n).as_secs()).collect();
         assert_eq!(delays, [1, 2, 4, 8]);
         assert_eq!(options.retry_delay(40), Duration::from_secs(300));

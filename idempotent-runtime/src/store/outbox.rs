@@ -172,7 +172,8 @@ impl OutboxStatements {
         );
         let mark_failed = {
             let mut p = p();
-            let (state, attempts, delay, error, id) = (p.next(), p.next(), p.next(), p.next(), p.next());
+            let (state, attempts, delay, error, id) =
+                (p.next(), p.next(), p.next(), p.next(), p.next());
             format!(
                 "UPDATE {o} SET state = {state}, attempts = {attempts}, due_at = {now} + {delay}, \
                  last_error = {error} WHERE id = {id}"
