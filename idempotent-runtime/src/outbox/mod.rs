@@ -162,8 +162,9 @@ impl<DB: Backend> Inbox<DB> {
 
     /// Starts a relay of this inbox's outbox: tokio tasks that publish committed outgoing messages
     /// through `publisher` until the returned [`Relay`] is shut down, stopped or dropped. Safe to
-    /// start in every instance (see the [module docs](self)). Each worker keeps a connection of the
-    /// pool, and on PostgreSQL with [`RelayOptions::listen`] one more listens.
+    /// start in every instance (see the [module docs](self)). Each worker takes a connection of the
+    /// pool for each batch and holds it while the broker confirms the batch; on PostgreSQL with
+    /// [`RelayOptions::listen`] one more connection listens for as long as the relay runs.
     pub fn spawn_relay<P: Publisher>(&self, publisher: P, options: RelayOptions) -> Relay {
         relay::spawn(self, publisher, options)
     }

@@ -273,7 +273,10 @@ pub(crate) fn spawn<DB: Backend, P: Publisher>(
         .enumerate()
         .map(|(index, wake)| {
             let worker = Worker {
-                inbox: inbox.for_worker(),
+                // Not a worker's inbox: a connection kept between batches would be missed by the
+                // program on a small pool (an in-memory SQLite database has one), and the pool's
+                // check of a connection costs a batch next to nothing.
+                inbox: inbox.clone(),
                 publisher: publisher.clone(),
                 options: options.clone(),
                 counters: counters.clone(),
