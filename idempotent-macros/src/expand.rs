@@ -238,10 +238,14 @@ fn rewrite(plan: &Plan, mut function: ItemFn) -> TokenStream {
         },
         Some(param) => {
             let (pat, ty) = (&param.pat, &param.ty);
+            // Spanned on the type the user wrote, so that a type of another `Outbox` is an error
+            // there.
+            let hand_over = respan(quote!(#private::outbox), ty.span());
+            let outbox = quote_spanned! {ty.span()=> #hand_over(#outbox_var) };
             quote! {
                 let (#connection_var, #outbox_var) = #claimed.connection_and_outbox();
                 let #connection_pat: #connection_ref = #connection_var;
-                let #pat: #ty = #outbox_var;
+                let #pat: #ty = #outbox;
             }
         }
     };
