@@ -507,6 +507,7 @@ macro_rules! conformance_tests {
             ordering_per_key_holds_under_concurrent_producers
             a_second_writer_of_an_ordering_key_waits_for_the_first_commit
             poison_is_parked_never_blocks_the_rest_and_is_retryable_by_hand
+            unconfirmed_messages_stay_pending_without_counting_an_attempt
             sent_outgoing_rows_are_purged_after_the_outbox_retention
             migrate_upgrades_version_2_tables_to_the_outbox
         );

@@ -600,6 +600,60 @@ pub async fn poison_is_parked_never_blocks_the_rest_and_is_retryable_by_hand(h: 
     );
 }
 
+/// A broker that is down: it confirms nothing, or (`hangs`) never answers.
+struct Down {
+    hangs: bool,
+}
+
+impl Publisher for Down {
+    async fn publish(&self, _: &Publication) -> Result<(), PublishError> {
+        if self.hangs {
+            std::future::pending::<()>().await;
+        }
+        Err(PublishError::unavailable("connection refused"))
+    }
+}
+
+pub async fn unconfirmed_messages_stay_pending_without_counting_an_attempt(h: impl Harness) {
+    for label in ["down-1", "down-2"] {
+        let msg = Delivery::new(label).sending(Outgoing {
+            ordering_key: (label == "down-2").then(|| "k".to_owned()),
+            ..Outgoing::default()
+        });
+        assert!(h.deliver_notifier(&msg).await.unwrap().is_processed());
+    }
+    let options = options()
+        .attempts(1, Duration::from_secs(60))
+        .publish_timeout(Duration::from_millis(100));
+    for hangs in [false, true] {
+        let report = h
+            .inbox()
+            .relay_once(&Down { hangs }, &options)
+            .await
+            .unwrap();
+        assert_eq!((report.taken, report.unavailable, report.parked), (2, 2, 0));
+        let stats = h.inbox().outbox_stats().await.unwrap();
+        assert_eq!(
+            (stats.pending, stats.sent, stats.parked),
+            (2, 0, 0),
+            "hangs: {hangs}"
+        );
+    }
+    for (id, ..) in h.outbox_rows().await {
+        let record = &h.inbox().outbox_messages(&id).await.unwrap()[0];
+        assert_eq!((record.state, record.attempts), (OutboxState::Pending, 0));
+        assert_eq!(record.sent_at, None);
+    }
+    let recorder = Recorder::new(Duration::ZERO);
+    drain(&h, &recorder, &options).await;
+    assert_eq!(recorder.published.lock().unwrap().len(), 2);
+    let publication = &recorder.published.lock().unwrap()[0];
+    assert_eq!(
+        publication.attempt, 1,
+        "a broker that was down is no attempt"
+    );
+}
+
 pub async fn sent_outgoing_rows_are_purged_after_the_outbox_retention(h: impl Harness) {
     for label in ["sent-1", "sent-2"] {
         let outgoing = Outgoing {

@@ -481,6 +481,7 @@ async fn run_batch<DB: Backend, P: Publisher>(
         ..RelayReport::default()
     };
     let mut sent = Vec::new();
+    let mut unconfirmed = Vec::new();
     let mut delays = Vec::new();
     let conn = tx.connection();
     for (row, outcome) in rows.iter().zip(&outcomes) {
@@ -516,12 +517,20 @@ async fn run_batch<DB: Backend, P: Publisher>(
             }
             Err(error @ PublishError::Unavailable(_)) => {
                 report.unavailable += 1;
+                unconfirmed.push(row.0);
                 tracing::debug!(message_id = %row.1, %error, "an outgoing message was not confirmed; trying again later");
             }
         }
     }
-    if !sent.is_empty()
-        && let Err(error) = DB::outbox_mark_sent(&mut *conn, statements, &sent).await
+    // The rows were taken marked sent (PostgreSQL, SQLite): set back those not confirmed (the
+    // refused ones were just above). Or taken as they were: mark the confirmed ones.
+    let (ids, sent_state) = if statements.marks_on_take() {
+        (&unconfirmed, false)
+    } else {
+        (&sent, true)
+    };
+    if !ids.is_empty()
+        && let Err(error) = DB::outbox_set_sent(&mut *conn, statements, ids, sent_state).await
     {
         let _ = tx.rollback().await;
         return Err(failed()(error));

@@ -95,6 +95,7 @@ impl Store for MySql {
             skip_locked: " FOR UPDATE SKIP LOCKED",
             next_seq: " ON DUPLICATE KEY UPDATE last_seq = last_seq + 1, updated_at = VALUES(updated_at)",
             notify: None,
+            mark_on_take: false,
         },
     };
 

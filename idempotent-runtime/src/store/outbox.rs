@@ -32,6 +32,11 @@ pub(crate) struct OutboxDialect {
     /// The statement that wakes the relays listening on channel `{c}` when the transaction
     /// commits (PostgreSQL's `NOTIFY`), if the database has one.
     pub(crate) notify: Option<&'static str>,
+    /// A relay takes its rows with `UPDATE … RETURNING`, marking them sent in the statement that
+    /// locks them (PostgreSQL, SQLite: one write per row); failures are set back before the
+    /// commit. Otherwise (MySQL, MariaDB: no `UPDATE … RETURNING`) it locks them with a `SELECT`
+    /// and marks the confirmed ones afterwards.
+    pub(crate) mark_on_take: bool,
 }
 
 /// A row a relay took: `(id, message_id, exchange, routing_key, payload, headers, attempts,
@@ -121,9 +126,7 @@ impl OutboxStatements {
         let k = table.quoted_suffixed("outbox_keys", q);
         let now = dialect.now_ms;
         let OutboxDialect {
-            skip_locked,
-            next_seq,
-            notify,
+            next_seq, notify, ..
         } = dialect.outbox;
         let p = || Params::new(dialect);
         let columns = "message_id, exchange, routing_key, payload, headers, origin, \
@@ -159,10 +162,15 @@ impl OutboxStatements {
             "id, message_id, exchange, routing_key, payload, headers, attempts, created_at, \
              ordering_key, {now}"
         );
-        let take_unkeyed = format!(
-            "SELECT {taken} FROM {o} WHERE state = {PENDING} AND ordering_key IS NULL \
-             AND due_at <= {now} ORDER BY id LIMIT {}{skip_locked}",
-            p().next()
+        let take_unkeyed = Self::take(
+            dialect,
+            &o,
+            &taken,
+            &format!(
+                "state = {PENDING} AND ordering_key IS NULL AND due_at <= {now} \
+                 ORDER BY id LIMIT {}",
+                p().next()
+            ),
         );
         let heads = format!(
             "SELECT ordering_key, MIN(ordering_seq) FROM {o} \
@@ -272,31 +280,59 @@ impl OutboxStatements {
         }
     }
 
+    /// The statement that takes the rows `which` selects (a condition, its order and its limit),
+    /// skipping rows another relay holds: marking them sent as it locks them, where the dialect
+    /// can (see [`OutboxDialect::mark_on_take`]), and returning their `taken` columns.
+    fn take(dialect: &Dialect, table: &str, taken: &str, which: &str) -> String {
+        let OutboxDialect {
+            skip_locked,
+            mark_on_take,
+            ..
+        } = dialect.outbox;
+        if mark_on_take {
+            format!(
+                "UPDATE {table} SET state = {SENT}, sent_at = {now} WHERE id IN \
+                 (SELECT id FROM {table} WHERE {which}{skip_locked}) RETURNING {taken}",
+                now = dialect.now_ms
+            )
+        } else {
+            format!("SELECT {taken} FROM {table} WHERE {which}{skip_locked}")
+        }
+    }
+
     /// Takes the due heads of these `keys` (`(key, seq)` pairs), skipping rows another relay holds.
     fn take_keyed(&self, keys: usize) -> String {
         let mut p = Params::new(&self.dialect);
         let pairs: Vec<String> = (0..keys)
             .map(|_| format!("({}, {})", p.next(), p.next()))
             .collect();
-        format!(
-            "SELECT {} FROM {} WHERE state = {PENDING} AND due_at <= {} \
-             AND (ordering_key, ordering_seq) IN ({}) ORDER BY id{}",
-            self.taken,
-            self.table,
+        let which = format!(
+            "state = {PENDING} AND due_at <= {} AND (ordering_key, ordering_seq) IN ({}) \
+             ORDER BY id",
             self.dialect.now_ms,
-            pairs.join(", "),
-            self.dialect.outbox.skip_locked
-        )
+            pairs.join(", ")
+        );
+        Self::take(&self.dialect, &self.table, &self.taken, &which)
     }
 
-    /// Marks these `rows` sent.
-    fn mark_sent(&self, rows: usize) -> String {
+    /// Whether the rows a relay takes are marked sent already (see
+    /// [`OutboxDialect::mark_on_take`]).
+    pub(crate) fn marks_on_take(&self) -> bool {
+        self.dialect.outbox.mark_on_take
+    }
+
+    /// Sets these `rows` to `state` (sent, or back to pending).
+    fn set_state(&self, rows: usize, state: i64) -> String {
         let mut p = Params::new(&self.dialect);
         let ids: Vec<String> = (0..rows).map(|_| p.next()).collect();
+        let sent_at = if state == SENT {
+            self.dialect.now_ms
+        } else {
+            "NULL"
+        };
         format!(
-            "UPDATE {} SET state = {SENT}, sent_at = {} WHERE id IN ({})",
+            "UPDATE {} SET state = {state}, sent_at = {sent_at} WHERE id IN ({})",
             self.table,
-            self.dialect.now_ms,
             ids.join(", ")
         )
     }
@@ -338,11 +374,13 @@ pub trait OutboxQueries: Store {
         limit: usize,
     ) -> impl Future<Output = Result<Vec<TakenRow>, sqlx::Error>> + Send + 'a;
 
-    /// Marks the rows `ids` sent.
-    fn outbox_mark_sent<'a>(
+    /// Marks the rows `ids` sent, or (`sent` false) pending again: what a relay took and the
+    /// broker did not confirm.
+    fn outbox_set_sent<'a>(
         conn: &'a mut Self::Connection,
         statements: &'a OutboxStatements,
         ids: &'a [i64],
+        sent: bool,
     ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send + 'a;
 
     /// Records a failed publication of a row.
@@ -483,15 +521,18 @@ where
         Ok(rows)
     }
 
-    async fn outbox_mark_sent(
+    async fn outbox_set_sent(
         conn: &mut DB::Connection,
         statements: &OutboxStatements,
         ids: &[i64],
+        sent: bool,
     ) -> Result<u64, sqlx::Error> {
+        let state = if sent { SENT } else { PENDING };
         let mut done = 0;
         // Bounded statements, well under every database's limit on parameters.
         for chunk in ids.chunks(500) {
-            let mut query = sqlx::query(AssertSqlSafe(statements.mark_sent(chunk.len())));
+            let sql = statements.set_state(chunk.len(), state);
+            let mut query = sqlx::query(AssertSqlSafe(sql));
             for id in chunk {
                 query = query.bind(*id);
             }
@@ -641,6 +682,7 @@ mod tests {
                 skip_locked: " FOR UPDATE SKIP LOCKED",
                 next_seq: " ON CONFLICT (ordering_key) DO UPDATE SET last_seq = {k}.last_seq + 1, updated_at = {now}",
                 notify: Some("SELECT pg_notify('{c}', '')"),
+                mark_on_take: true,
             },
         }
     }
@@ -658,12 +700,22 @@ mod tests {
             "INSERT INTO \"shop_outbox_keys\" (ordering_key, last_seq, updated_at) VALUES ($1, 1, NOW_MS) \
              ON CONFLICT (ordering_key) DO UPDATE SET last_seq = \"shop_outbox_keys\".last_seq + 1, updated_at = NOW_MS"
         );
-        assert!(s.take_unkeyed.ends_with("LIMIT $1 FOR UPDATE SKIP LOCKED"));
+        assert!(
+            s.take_unkeyed
+                .starts_with("UPDATE \"shop_outbox\" SET state = 1, sent_at = NOW_MS WHERE id IN")
+        );
+        assert!(
+            s.take_unkeyed
+                .contains("ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED) RETURNING id,")
+        );
         assert!(
             s.take_keyed(2)
-                .ends_with("IN (($1, $2), ($3, $4)) ORDER BY id FOR UPDATE SKIP LOCKED")
+                .contains("IN (($1, $2), ($3, $4)) ORDER BY id FOR UPDATE SKIP LOCKED)")
         );
-        assert!(s.mark_sent(3).ends_with("WHERE id IN ($1, $2, $3)"));
+        assert!(
+            s.set_state(3, PENDING)
+                .ends_with("SET state = 0, sent_at = NULL WHERE id IN ($1, $2, $3)")
+        );
         assert_eq!(
             s.notify.as_deref(),
             Some("SELECT pg_notify('shop_outbox', '')")

@@ -111,6 +111,7 @@ impl Store for Postgres {
             next_seq: " ON CONFLICT (ordering_key) DO UPDATE \
                 SET last_seq = {k}.last_seq + 1, updated_at = {now}",
             notify: Some("SELECT pg_notify('{c}', '')"),
+            mark_on_take: true,
         },
     };
 
@@ -289,7 +290,7 @@ impl Store for Postgres {
                     ),
                     format!(
                         "CREATE INDEX IF NOT EXISTS {} ON {outbox} (ordering_key, ordering_seq) \
-                         WHERE state <> 1",
+                         WHERE state <> 1 AND ordering_key IS NOT NULL",
                         q("outbox_key_seq")
                     ),
                     format!(

@@ -118,6 +118,7 @@ impl Store for Sqlite {
             next_seq: " ON CONFLICT (ordering_key) DO UPDATE \
                 SET last_seq = last_seq + 1, updated_at = {now}",
             notify: None,
+            mark_on_take: true,
         },
     };
 
@@ -281,7 +282,7 @@ impl Store for Sqlite {
                     ),
                     format!(
                         "CREATE INDEX IF NOT EXISTS {} ON {outbox} (ordering_key, ordering_seq) \
-                         WHERE state <> 1",
+                         WHERE state <> 1 AND ordering_key IS NOT NULL",
                         q("outbox_key_seq")
                     ),
                     format!(

@@ -21,7 +21,11 @@ use crate::outbox::{Publication, PublishError, Publisher};
 /// | a closed channel or connection | [`PublishError::Unavailable`]; a publisher made with [`connect`](Self::connect) connects again for the next message |
 pub struct OutboxPublisher {
     url: Option<String>,
-    open: Mutex<Option<Open>>,
+    /// The open channel, if any: read (and cloned) by every publication, never held across an
+    /// await.
+    open: std::sync::Mutex<Option<Open>>,
+    /// Held while the channel is opened again, so that one publication does it.
+    reopening: Mutex<()>,
 }
 
 struct Open {
@@ -46,10 +50,11 @@ impl OutboxPublisher {
         confirm(&channel).await?;
         Ok(Self {
             url: None,
-            open: Mutex::new(Some(Open {
+            open: std::sync::Mutex::new(Some(Open {
                 _connection: None,
                 channel,
             })),
+            reopening: Mutex::new(()),
         })
     }
 
@@ -59,28 +64,37 @@ impl OutboxPublisher {
         let open = open(url).await?;
         Ok(Self {
             url: Some(url.to_owned()),
-            open: Mutex::new(Some(open)),
+            open: std::sync::Mutex::new(Some(open)),
+            reopening: Mutex::new(()),
         })
+    }
+
+    /// The open channel, if it is still connected.
+    fn current(&self) -> Option<Channel> {
+        let open = self.open.lock().unwrap_or_else(|e| e.into_inner());
+        open.as_ref()
+            .filter(|open| open.channel.status().connected())
+            .map(|open| open.channel.clone())
     }
 
     /// The channel to publish on: the open one, or a new one when it closed and the publisher has
     /// a URL.
     async fn channel(&self) -> Result<Channel, PublishError> {
-        let mut open = self.open.lock().await;
-        if let Some(current) = open.as_ref()
-            && current.channel.status().connected()
-        {
-            return Ok(current.channel.clone());
+        if let Some(channel) = self.current() {
+            return Ok(channel);
         }
         let Some(url) = &self.url else {
             return Err(PublishError::unavailable(
                 "the publisher's channel is closed",
             ));
         };
-        open.take();
+        let _reopening = self.reopening.lock().await;
+        if let Some(channel) = self.current() {
+            return Ok(channel); // another publication opened it meanwhile
+        }
         let reopened = self::open(url).await.map_err(PublishError::unavailable)?;
         let channel = reopened.channel.clone();
-        *open = Some(reopened);
+        *self.open.lock().unwrap_or_else(|e| e.into_inner()) = Some(reopened);
         Ok(channel)
     }
 }
