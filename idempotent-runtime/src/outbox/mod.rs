@@ -180,6 +180,19 @@ impl<DB: Backend> Inbox<DB> {
         relay::batch(self, publisher, options, &metrics).await
     }
 
+    /// On PostgreSQL, whether a transaction that writes outgoing messages sends the `NOTIFY` that
+    /// wakes the relays at its commit (default on). Turn it off when every relay only polls
+    /// ([`RelayOptions::listen`] off): PostgreSQL queues each notification at the commit, under a
+    /// lock that commits which notify take in turn, and the statement is one more round trip.
+    /// Does nothing on the other databases.
+    pub fn with_outbox_notify(self, notify: bool) -> Self {
+        self.with_config(|config| {
+            let mut config = config.clone();
+            config.statements.outbox = config.statements.outbox.clone().notifying(notify);
+            config
+        })
+    }
+
     /// Keeps sent outgoing messages for `retention` after they were sent (default 24 hours), then
     /// the purge deletes them.
     pub fn with_outbox_retention(self, retention: Duration) -> Self {

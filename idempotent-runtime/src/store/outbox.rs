@@ -102,6 +102,8 @@ pub struct OutboxStatements {
     next_seq: Arc<str>,
     insert_keyed: Arc<str>,
     notify: Option<Arc<str>>,
+    /// Writers send [`notify`](Self::notify) (unless turned off: relays that only poll).
+    notifies: bool,
     take_unkeyed: Arc<str>,
     heads: Arc<str>,
     mark_failed: Arc<str>,
@@ -265,6 +267,7 @@ impl OutboxStatements {
             next_seq: next_seq.into(),
             insert_keyed: insert_keyed.into(),
             notify,
+            notifies: true,
             take_unkeyed: take_unkeyed.into(),
             heads: heads.into(),
             mark_failed: mark_failed.into(),
@@ -313,6 +316,12 @@ impl OutboxStatements {
             pairs.join(", ")
         );
         Self::take(&self.dialect, &self.table, &self.taken, &which)
+    }
+
+    /// These statements with writers sending the relays' wake-up (where the database has one), or
+    /// not.
+    pub(crate) fn notifying(self, notifies: bool) -> Self {
+        Self { notifies, ..self }
     }
 
     /// Whether the rows a relay takes are marked sent already (see
@@ -482,7 +491,7 @@ where
         conn: &mut DB::Connection,
         statements: &OutboxStatements,
     ) -> Result<(), sqlx::Error> {
-        if let Some(notify) = &statements.notify {
+        if let Some(notify) = statements.notify.as_ref().filter(|_| statements.notifies) {
             sqlx::query(AssertSqlSafe(notify.clone()))
                 .execute(conn)
                 .await?;
