@@ -183,6 +183,49 @@ async fn rabbitmq_limit(channel: &Channel, queue: &str, count: usize) -> f64 {
     rate(count, start.elapsed())
 }
 
+/// The outbox's publisher on its own, without the database: `count` publications, at most
+/// [`WINDOW`] at once.
+async fn publisher_alone<P: Publisher>(
+    publisher: &P,
+    destination: &Destination,
+    count: usize,
+) -> f64 {
+    let publications: Vec<Publication> = (0..count).map(|i| publication(destination, i)).collect();
+    let start = Instant::now();
+    futures::stream::iter(&publications)
+        .map(|p| publisher.publish(p))
+        .buffer_unordered(WINDOW)
+        .for_each(|published| async move { published.unwrap() })
+        .await;
+    rate(count, start.elapsed())
+}
+
+/// A publication as a relay hands it over (read back from a relay's own: the type cannot be built
+/// outside the crate).
+fn publication(destination: &Destination, i: usize) -> Publication {
+    let mut publication = TEMPLATE.lock().unwrap().clone().expect("a template");
+    publication.message_id = uuid::Uuid::new_v4().to_string();
+    publication.destination = destination.clone();
+    publication.payload = payload(i);
+    publication
+}
+
+/// A publication a relay handed over, to copy.
+static TEMPLATE: Mutex<Option<Publication>> = Mutex::new(None);
+
+/// Keeps the first publication it is handed, as a template.
+struct Keep;
+
+impl Publisher for Keep {
+    async fn publish(&self, publication: &Publication) -> Result<(), PublishError> {
+        TEMPLATE
+            .lock()
+            .unwrap()
+            .get_or_insert_with(|| publication.clone());
+        Ok(())
+    }
+}
+
 /// JetStream: `count` messages with `Nats-Msg-Id`, sent [`WINDOW`] at a time concurrently, each
 /// group's acknowledgements awaited before the next is sent.
 async fn nats_limit_grouped(context: &jetstream::Context, subject: &str, count: usize) -> f64 {
@@ -443,6 +486,27 @@ async fn main() {
         limit,
         limit,
     ));
+    {
+        // A publication to copy, from a relay.
+        reset(&pool).await;
+        fill_outbox(&inbox, 1, &Destination::queue(queue.clone())).await;
+        inbox
+            .relay_once(&Keep, &RelayOptions::default())
+            .await
+            .unwrap();
+        let publisher =
+            idempotent::broker::rabbitmq::OutboxPublisher::connect(&env("IDEMPOTENT_AMQP_URL"))
+                .await
+                .unwrap();
+        let alone = publisher_alone(&publisher, &Destination::queue(queue.clone()), count).await;
+        throughput.push((
+            "RabbitMQ",
+            "the outbox's publisher alone, no database".to_owned(),
+            alone,
+            limit,
+        ));
+        purge(&channel, &queue).await;
+    }
     for (batch, workers) in [(100, 1), (500, 1), (500, 2), (500, 4), (1000, 4)] {
         reset(&pool).await;
         fill_outbox(&inbox, count, &Destination::queue(queue.clone())).await;
