@@ -104,6 +104,10 @@
 //! - The purge horizon: a message that says when it was sent (a UUIDv7 key, or
 //!   `sent_at = "field"`) and is older than what its consumer's purges may have deleted is refused
 //!   with [`InboxError::OlderThanHorizon`] rather than processed again (see [`Retention`]).
+//! - The transactional [`outbox`]: a handler parameter `outbox: &mut Outbox` queues outgoing
+//!   messages, which commit with the handler's effect, with ids derived from the consumer, the
+//!   message's key and their position; a relay ([`Inbox::spawn_relay`]) publishes them at least
+//!   once through RabbitMQ or NATS JetStream.
 //! - Operations: [`Inbox::inspect`], [`Inbox::list`], [`Inbox::stuck_calls`], [`Inbox::stats`],
 //!   [`Inbox::forget`] with an audit row (see [`operations`]); the tables' [`schema`] versions,
 //!   which [`Inbox::migrate`] upgrades; [`metrics`] through the `metrics` facade; and the
@@ -152,7 +156,9 @@
 /// is `&mut sqlx::PgConnection`, `&mut sqlx::SqliteConnection` or `&mut sqlx::MySqlConnection`
 /// and whose second is the message,
 /// returning `Result<T, E>` (or an alias of it). A parameter of type [`IdempotencyKey`] is filled
-/// in by the rewritten function. It becomes a function that takes
+/// in by the rewritten function, and so is one of type `&mut` [`Outbox`](outbox::Outbox), through
+/// which the body queues outgoing messages that commit with its effect (see [`outbox`]). It
+/// becomes a function that takes
 /// `&InboxFor<Connection>` in place of the connection and returns
 /// `Result<Handled<T>, Error<E>>`; see the [crate docs](crate) for what it does.
 pub use idempotent_macros::idempotent;
@@ -169,6 +175,8 @@ pub use idempotent_runtime::{
     AuditEntry, ConsumerStats, Cursor, Expired, Listing, Migration, Page, Record, SentAt,
     StuckCall, metrics, operations, schema,
 };
+// The transactional outbox.
+pub use idempotent_runtime::outbox;
 
 #[cfg(any(feature = "rabbitmq", feature = "nats"))]
 #[cfg_attr(docsrs, doc(cfg(any(feature = "rabbitmq", feature = "nats"))))]

@@ -1,6 +1,7 @@
 //! The inbox reports through the `metrics` facade, with the names and labels the README documents:
 //! a recorder installed by the program (here `metrics-util`'s debugging recorder) sees the counters
-//! move and the claim wait time, including a claim that waited on an in-flight twin.
+//! move and the claim wait time, including a claim that waited on an in-flight twin, and an outbox
+//! relay counts what it published, retried and parked, its backlog and each message's delay.
 #![cfg(feature = "sqlite")]
 
 mod support;
@@ -11,7 +12,22 @@ use idempotent::message_key;
 use metrics_util::MetricKind;
 use metrics_util::debugging::{DebugValue, DebuggingRecorder};
 use support::sqlite::SqliteHarness;
-use support::{Behaviour, Consumer, Delivery, Harness};
+use support::{Behaviour, Consumer, Delivery, Harness, Outgoing};
+
+/// A broker that confirms every outgoing message but those for `nowhere`, which it refuses.
+struct Broker;
+
+impl idempotent::outbox::Publisher for Broker {
+    async fn publish(
+        &self,
+        publication: &idempotent::outbox::Publication,
+    ) -> Result<(), idempotent::outbox::PublishError> {
+        if publication.destination.routing_key == "nowhere" {
+            return Err(idempotent::outbox::PublishError::rejected("unroutable"));
+        }
+        Ok(())
+    }
+}
 
 /// One metric's values from a snapshot: `(kind, name, labels, value)`.
 type Entry = (MetricKind, String, Vec<(String, String)>, DebugValue);
@@ -100,6 +116,30 @@ async fn counters_and_the_claim_wait_histogram_reach_the_installed_recorder() {
         .await
         .unwrap_err();
 
+    // Outgoing messages: two confirmed, one refused twice and parked.
+    for (label, destination) in [
+        ("n1", "notifications"),
+        ("n2", "notifications"),
+        ("n3", "nowhere"),
+    ] {
+        let outgoing = Outgoing {
+            destination: destination.into(),
+            ..Outgoing::default()
+        };
+        let msg = Delivery::new(label).sending(outgoing);
+        assert!(h.deliver_notifier(&msg).await.unwrap().is_processed());
+    }
+    let options = idempotent::outbox::RelayOptions::default()
+        .attempts(2, Duration::from_millis(10))
+        .poll_interval(Duration::from_millis(5), Duration::from_millis(20));
+    let relay = h.inbox().spawn_relay(Broker, options);
+    let start = std::time::Instant::now();
+    while h.inbox().outbox_stats().await.unwrap().parked == 0 {
+        assert!(start.elapsed() < Duration::from_secs(30));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    relay.shutdown().await;
+
     let snapshot = snapshotter.snapshot().into_vec();
     let described = snapshot
         .iter()
@@ -158,6 +198,36 @@ async fn counters_and_the_claim_wait_histogram_reach_the_installed_recorder() {
             &[("table", "idempotent_inbox"), ("kind", "inbox")]
         ),
         1
+    );
+
+    let outbox = |name, labels: &[(&str, &str)]| {
+        let mut labels = labels.to_vec();
+        labels.push(("table", "idempotent_inbox"));
+        counter(&entries, name, &labels)
+    };
+    assert_eq!(outbox("idempotent_outbox_published_total", &[]), 2);
+    assert_eq!(
+        outbox("idempotent_outbox_retried_total", &[("reason", "rejected")]),
+        1
+    );
+    assert_eq!(outbox("idempotent_outbox_parked_total", &[]), 1);
+    let delays = entries
+        .iter()
+        .filter(|(kind, name, ..)| {
+            *kind == MetricKind::Histogram && name == "idempotent_outbox_delay_seconds"
+        })
+        .map(|(.., value)| match value {
+            DebugValue::Histogram(values) => values.len(),
+            other => panic!("{other:?}"),
+        })
+        .sum::<usize>();
+    assert_eq!(delays, 2);
+    let backlog = entries
+        .iter()
+        .find(|(kind, name, ..)| *kind == MetricKind::Gauge && name == "idempotent_outbox_backlog");
+    assert!(
+        matches!(backlog, Some((.., DebugValue::Gauge(rows))) if rows.into_inner() == 3.0),
+        "the relay's first look counts the three unsent messages: {backlog:?}"
     );
 
     let waits: Vec<f64> = entries

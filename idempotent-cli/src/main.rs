@@ -11,10 +11,15 @@
 //! idempotent --url … forget --consumer orders --key order-7 --reason "…"
 //! idempotent --url … audit [--consumer orders]           messages forgotten on purpose
 //! idempotent --url … purge --retention 14d [--consumer-retention billing=30d] [--dry-run]
+//! idempotent --url … outbox stats                        outgoing messages pending, sent, parked
+//! idempotent --url … outbox parked [--limit 100] [--after ROW]
+//! idempotent --url … outbox show --row 42 | --message-id ID
+//! idempotent --url … outbox retry --row 42               publish a parked message again
 //! ```
 //!
 //! Tables for people by default, `--json` for scripts. Exit status: 0, 1 on an error, 2 when the
-//! message to inspect or forget is not in the inbox.
+//! message to inspect or forget is not in the inbox (or the outgoing message to show or retry is
+//! not in the outbox, or not parked).
 #![warn(missing_docs, unreachable_pub)]
 
 mod args;
@@ -121,9 +126,52 @@ enum Command {
         /// Rows per transaction.
         #[arg(long, default_value_t = 1000)]
         batch_size: usize,
+        /// How long sent outgoing messages are kept (24h unless your services configure another).
+        #[arg(long, value_parser = args::duration)]
+        outbox_retention: Option<Duration>,
         /// Count what would be deleted, delete nothing.
         #[arg(long)]
         dry_run: bool,
+    },
+    /// The transactional outbox: its outgoing messages, the parked ones, and retrying them.
+    Outbox {
+        #[command(subcommand)]
+        command: OutboxCommand,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum OutboxCommand {
+    /// Outgoing messages pending (and the oldest), sent (kept for the retention), parked.
+    Stats,
+    /// The parked messages (the broker refused them on every attempt), in the order written.
+    Parked {
+        /// Only those after this row.
+        #[arg(long)]
+        after: Option<i64>,
+        /// At most this many.
+        #[arg(long, default_value_t = 100)]
+        limit: usize,
+    },
+    /// One outgoing message by its row, or every row of a message id.
+    Show {
+        /// The row, as `parked` prints it.
+        #[arg(
+            long,
+            conflicts_with = "message_id",
+            required_unless_present = "message_id"
+        )]
+        row: Option<i64>,
+        /// The message id (the broker's message id).
+        #[arg(long)]
+        message_id: Option<String>,
+    },
+    /// Make a parked message pending again, so that the relays publish it (once the cause is
+    /// fixed: a queue bound, a stream created).
+    Retry {
+        /// The row, as `parked` prints it.
+        #[arg(long)]
+        row: i64,
     },
 }
 
@@ -309,9 +357,13 @@ async fn command<DB: Backend>(
             retention,
             consumer_retention,
             batch_size,
+            outbox_retention,
             dry_run,
         } => {
             let mut inbox = inbox.with_retention(retention);
+            if let Some(retention) = outbox_retention {
+                inbox = inbox.with_outbox_retention(retention);
+            }
             for ConsumerRetention(consumer, retention) in consumer_retention {
                 inbox = inbox.with_consumer_retention(&consumer, retention);
             }
@@ -320,6 +372,40 @@ async fn command<DB: Backend>(
             } else {
                 out.purged(&inbox.purge_expired(batch_size).await?);
             }
+        }
+        Command::Outbox { command } => outbox(inbox, command, out).await?,
+    }
+    Ok(())
+}
+
+async fn outbox<DB: Backend>(
+    inbox: Inbox<DB>,
+    command: OutboxCommand,
+    out: Output,
+) -> Result<(), Failure> {
+    match command {
+        OutboxCommand::Stats => out.outbox_stats(&inbox.outbox_stats().await?),
+        OutboxCommand::Parked { after, limit } => {
+            out.outgoing(&inbox.parked_messages(after, limit).await?)
+        }
+        OutboxCommand::Show { row, message_id } => {
+            let records = match (row, message_id) {
+                (Some(row), _) => inbox.outbox_message(row).await?.into_iter().collect(),
+                (None, Some(id)) => inbox.outbox_messages(&id).await?,
+                (None, None) => unreachable!("clap requires one"),
+            };
+            if records.is_empty() {
+                return Err(Failure::NotFound("no such outgoing message".into()));
+            }
+            out.outgoing(&records);
+        }
+        OutboxCommand::Retry { row } => {
+            if !inbox.retry_parked(row).await? {
+                return Err(Failure::NotFound(format!(
+                    "row {row} is not a parked outgoing message: nothing retried"
+                )));
+            }
+            out.retried(row);
         }
     }
     Ok(())

@@ -2,6 +2,7 @@
 
 use std::time::SystemTime;
 
+use idempotent::outbox::{OutboxRecord, OutboxStats};
 use idempotent::{
     AuditEntry, ConsumerStats, Expired, MessageKey, Migration, Page, PurgeReport, Record,
     StuckCall, TableName,
@@ -376,6 +377,7 @@ impl Output {
                 "rows": report.deleted,
                 "calls": report.calls_deleted,
                 "audit": report.audit_deleted,
+                "outbox": report.outbox_deleted,
                 "batches": report.batches,
             }));
         }
@@ -383,9 +385,100 @@ impl Output {
             println!("another instance is purging these tables: nothing done");
         } else {
             println!(
-                "deleted {} rows, {} call records and {} audit rows in {} batches",
-                report.deleted, report.calls_deleted, report.audit_deleted, report.batches
+                "deleted {} rows, {} call records, {} audit rows and {} sent outgoing messages in {} batches",
+                report.deleted,
+                report.calls_deleted,
+                report.audit_deleted,
+                report.outbox_deleted,
+                report.batches
             );
+        }
+    }
+
+    pub(crate) fn outbox_stats(&self, stats: &OutboxStats) {
+        if self.json {
+            return print_json(json!({
+                "pending": stats.pending,
+                "oldest_pending": time(stats.oldest_pending),
+                "sent": stats.sent,
+                "parked": stats.parked,
+            }));
+        }
+        table(
+            &["PENDING", "OLDEST PENDING", "SENT", "PARKED"],
+            &[vec![
+                stats.pending.to_string(),
+                text(stats.oldest_pending),
+                stats.sent.to_string(),
+                stats.parked.to_string(),
+            ]],
+        );
+    }
+
+    pub(crate) fn outgoing(&self, records: &[OutboxRecord]) {
+        if self.json {
+            let records: Vec<Value> = records
+                .iter()
+                .map(|r| {
+                    json!({
+                        "row": r.row,
+                        "message_id": r.message_id,
+                        "exchange": r.destination.exchange,
+                        "routing_key": r.destination.routing_key,
+                        "origin": r.origin,
+                        "ordering_key": r.ordering_key,
+                        "state": r.state.as_str(),
+                        "attempts": r.attempts,
+                        "created_at": rfc3339(r.created_at),
+                        "sent_at": time(r.sent_at),
+                        "last_error": r.last_error,
+                        "payload_bytes": r.payload_len,
+                    })
+                })
+                .collect();
+            return print_json(json!({ "outgoing": records }));
+        }
+        let rows: Vec<Vec<String>> = records
+            .iter()
+            .map(|r| {
+                let destination = match r.destination.exchange.as_str() {
+                    "" => r.destination.routing_key.clone(),
+                    exchange => format!("{exchange} / {}", r.destination.routing_key),
+                };
+                vec![
+                    r.row.to_string(),
+                    r.state.as_str().to_owned(),
+                    r.message_id.clone(),
+                    destination,
+                    r.origin.clone(),
+                    r.ordering_key.clone().unwrap_or_else(|| "-".into()),
+                    r.attempts.to_string(),
+                    rfc3339(r.created_at),
+                    r.last_error.clone().unwrap_or_else(|| "-".into()),
+                ]
+            })
+            .collect();
+        table(
+            &[
+                "ROW",
+                "STATE",
+                "MESSAGE ID",
+                "DESTINATION",
+                "ORIGIN",
+                "ORDERING KEY",
+                "ATTEMPTS",
+                "WRITTEN AT",
+                "LAST ERROR",
+            ],
+            &rows,
+        );
+    }
+
+    pub(crate) fn retried(&self, row: i64) {
+        if self.json {
+            print_json(json!({ "row": row, "retried": true }));
+        } else {
+            println!("row {row} is pending again: the next relay batch publishes it");
         }
     }
 }

@@ -5,6 +5,9 @@
 use std::process::{Command, Output};
 use std::time::Duration;
 
+use idempotent::outbox::{
+    Destination, OutgoingMessage, Publication, PublishError, Publisher, RelayOptions,
+};
 use idempotent::sqlx;
 use idempotent::{Backend, ClaimOptions, Inbox, message_key};
 use serde_json::Value;
@@ -51,9 +54,10 @@ async fn exercise<DB: Backend>(url: &str, inbox: Inbox<DB>) {
     assert!(String::from_utf8_lossy(&ddl.stdout).contains("CREATE TABLE IF NOT EXISTS"));
 
     let migrated = json(url, &["migrate"]);
+    let current = u64::from(idempotent::schema::CURRENT_VERSION);
     assert_eq!(
         (migrated["from"].as_u64(), migrated["to"].as_u64()),
-        (Some(0), Some(2))
+        (Some(0), Some(current))
     );
     let again = json(url, &["migrate"]);
     assert_eq!(again["from"], again["to"]);
@@ -248,6 +252,61 @@ async fn exercise<DB: Backend>(url: &str, inbox: Inbox<DB>) {
         orders["horizon"].is_string(),
         "the purge recorded a horizon: {stats}"
     );
+
+    outbox(url, &inbox).await;
+}
+
+/// A broker that refuses everything.
+struct Refusing;
+
+impl Publisher for Refusing {
+    async fn publish(&self, _: &Publication) -> Result<(), PublishError> {
+        Err(PublishError::rejected("no queue bound"))
+    }
+}
+
+/// The `outbox` commands: a message parked by a relay shows in `stats`, `parked` and `show`, and
+/// `retry` makes it pending again, once.
+async fn outbox<DB: Backend>(url: &str, inbox: &Inbox<DB>) {
+    let mut claimed = inbox.claim("shipping", "order-5").await.unwrap().unwrap();
+    let id = claimed.outbox().send(OutgoingMessage::new(
+        Destination::exchange("shop", "order.shipped"),
+        b"{}".to_vec(),
+    ));
+    claimed.commit().await.unwrap();
+    let park_at_once = RelayOptions::default().attempts(1, Duration::from_secs(60));
+    let report = inbox.relay_once(&Refusing, &park_at_once).await.unwrap();
+    assert_eq!(report.parked, 1);
+
+    let stats = json(url, &["outbox", "stats"]);
+    assert_eq!(
+        (stats["pending"].as_u64(), stats["parked"].as_u64()),
+        (Some(0), Some(1))
+    );
+    let parked = json(url, &["outbox", "parked"]);
+    let parked = parked["outgoing"].as_array().unwrap();
+    assert_eq!(parked.len(), 1);
+    assert_eq!(parked[0]["message_id"], id.as_str());
+    assert_eq!(parked[0]["state"], "parked");
+    assert_eq!(parked[0]["last_error"], "no queue bound");
+    assert_eq!(parked[0]["exchange"], "shop");
+    let row = parked[0]["row"].as_i64().unwrap().to_string();
+    let table = idempotent(url, &["outbox", "parked"]);
+    let table = String::from_utf8_lossy(&table.stdout).to_string();
+    assert!(
+        table.starts_with("ROW") && table.contains("shop / order.shipped"),
+        "{table}"
+    );
+
+    let retried = json(url, &["outbox", "retry", "--row", &row]);
+    assert_eq!(retried["retried"], true);
+    let again = idempotent(url, &["outbox", "retry", "--row", &row]);
+    assert_eq!(again.status.code(), Some(2), "a row that is not parked");
+    let shown = json(url, &["outbox", "show", "--message-id", &id]);
+    assert_eq!(shown["outgoing"][0]["state"], "pending");
+    let missing = idempotent(url, &["outbox", "show", "--row", "999999"]);
+    assert_eq!(missing.status.code(), Some(2));
+    assert_eq!(json(url, &["outbox", "stats"])["pending"], 1);
 }
 
 #[tokio::test]

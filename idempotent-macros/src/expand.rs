@@ -53,16 +53,21 @@ fn fallback(outline: &Outline, mut function: ItemFn) -> ItemFn {
         .idempotency_key
         .as_ref()
         .map(|(_, _, ty)| quote!(let _: #ty;));
+    let outbox_ty = outline.outbox.as_ref().map(|param| {
+        let ty = &param.ty;
+        quote!(let _: #ty;)
+    });
     function.block = syn::parse_quote!({
         #key_ty
+        #outbox_ty
         ::core::unimplemented!()
     });
     function
 }
 
 /// The signature callers see: an `async fn` taking the inbox instead of the connection, without the
-/// `IdempotencyKey` parameter (the claim provides it), returning the outcome wrapped in `Handled`
-/// and `HandlerError`.
+/// `IdempotencyKey` and `&mut Outbox` parameters (the claim provides them), returning the outcome
+/// wrapped in `Handled` and `HandlerError`.
 fn rewrite_signature(outline: &Outline, function: &mut ItemFn) {
     let Outline {
         krate,
@@ -71,6 +76,7 @@ fn rewrite_signature(outline: &Outline, function: &mut ItemFn) {
         err,
         declared_output,
         idempotency_key,
+        outbox,
     } = outline;
     let fn_span = function.sig.fn_token.span;
     function
@@ -91,14 +97,17 @@ fn rewrite_signature(outline: &Outline, function: &mut ItemFn) {
     {
         *param = inbox_param;
     }
-    if let Some((index, _, _)) = idempotency_key {
-        function.sig.inputs = std::mem::take(&mut function.sig.inputs)
-            .into_iter()
-            .enumerate()
-            .filter(|(i, _)| i != index)
-            .map(|(_, arg)| arg)
-            .collect();
-    }
+    let filled_in: Vec<usize> = idempotency_key
+        .iter()
+        .map(|(index, _, _)| *index)
+        .chain(outbox.iter().map(|param| param.index))
+        .collect();
+    function.sig.inputs = std::mem::take(&mut function.sig.inputs)
+        .into_iter()
+        .enumerate()
+        .filter(|(i, _)| !filled_in.contains(i))
+        .map(|(_, arg)| arg)
+        .collect();
     function.sig.output = syn::parse_quote_spanned! {declared_output.span()=>
         -> ::core::result::Result<#private::Handled<#ok>, #private::HandlerError<#err>>
     };
@@ -122,6 +131,7 @@ fn rewrite(plan: &Plan, mut function: ItemFn) -> TokenStream {
         err,
         declared_output,
         idempotency_key,
+        outbox,
     } = outline;
     let private = quote!(#krate::__private);
     let site = Span::mixed_site();
@@ -131,6 +141,8 @@ fn rewrite(plan: &Plan, mut function: ItemFn) -> TokenStream {
     let builder = format_ident!("__key", span = site);
     let fake_return = format_ident!("__fake_return", span = site);
     let checks_var = format_ident!("__checks", span = site);
+    let connection_var = format_ident!("__connection", span = site);
+    let outbox_var = format_ident!("__outbox", span = site);
 
     let connection_pat = &connection.pat;
     let connection_ref = &connection.reference;
@@ -218,6 +230,25 @@ fn rewrite(plan: &Plan, mut function: ItemFn) -> TokenStream {
     let storable = store_response.then(|| {
         quote_spanned! {ok.span()=> #private::storable::<#ok>(); }
     });
+    // The connection, and with an outbox parameter the claim's outbox too, each checked against
+    // the type the user wrote.
+    let hand_over_connection = match outbox {
+        None => quote! {
+            let #connection_pat: #connection_ref = #claimed.connection();
+        },
+        Some(param) => {
+            let (pat, ty) = (&param.pat, &param.ty);
+            // Spanned on the type the user wrote, so that a type of another `Outbox` is an error
+            // there.
+            let hand_over = respan(quote!(#private::outbox), ty.span());
+            let outbox = quote_spanned! {ty.span()=> #hand_over(#outbox_var) };
+            quote! {
+                let (#connection_var, #outbox_var) = #claimed.connection_and_outbox();
+                let #connection_pat: #connection_ref = #connection_var;
+                let #pat: #ty = #outbox;
+            }
+        }
+    };
     let body = &function.block;
     let block = quote! {{
         #consumer_fits
@@ -238,7 +269,7 @@ fn rewrite(plan: &Plan, mut function: ItemFn) -> TokenStream {
         };
         #hand_over_key
         let #result = {
-            let #connection_pat: #connection_ref = #claimed.connection();
+            #hand_over_connection
             async move {
                 #[allow(
                     unknown_lints,

@@ -257,6 +257,23 @@ pub(crate) struct Signature {
     /// A parameter of type `IdempotencyKey`, which the rewritten function fills in: its position
     /// among the inputs, and its pattern.
     pub(crate) idempotency_key: Option<(usize, Box<Pat>, Box<Type>)>,
+    /// The parameters whose type names an [`OUTBOX`] (`&mut Outbox` is filled in by the
+    /// rewritten function; the others are mistakes), in order.
+    pub(crate) outboxes: Vec<OutboxParam>,
+    /// The positions among the inputs of the connection's and the message's parameters.
+    pub(crate) slots: [Option<usize>; 2],
+}
+
+/// The type name of the outbox parameter.
+pub(crate) const OUTBOX: &str = "Outbox";
+
+/// A parameter whose type names the outbox: `pat: ty`, at `index` among the inputs.
+pub(crate) struct OutboxParam {
+    pub(crate) index: usize,
+    pub(crate) pat: Box<Pat>,
+    pub(crate) ty: Box<Type>,
+    /// The type is `&mut Outbox` (not `Outbox` or `&Outbox`).
+    pub(crate) by_mut_ref: bool,
 }
 
 /// The connection parameter, `pat: &mut ty`.
@@ -311,6 +328,36 @@ pub(crate) fn signature(sig: &syn::Signature) -> Signature {
         syn::ReturnType::Default => Output::Missing(params_span),
         syn::ReturnType::Type(_, ty) => output(ty),
     };
+    let outboxes = sig
+        .inputs
+        .iter()
+        .enumerate()
+        .filter_map(|(index, arg)| {
+            let FnArg::Typed(param) = arg else {
+                return None;
+            };
+            let (named, by_mut_ref) = match strip_group(&param.ty) {
+                Type::Reference(reference) => (
+                    names(&reference.elem, OUTBOX),
+                    reference.mutability.is_some(),
+                ),
+                other => (names(other, OUTBOX), false),
+            };
+            named.then(|| OutboxParam {
+                index,
+                pat: param.pat.clone(),
+                ty: param.ty.clone(),
+                by_mut_ref,
+            })
+        })
+        .collect();
+    let mut typed_indexes = sig
+        .inputs
+        .iter()
+        .enumerate()
+        .filter(|(_, arg)| matches!(arg, FnArg::Typed(_)))
+        .map(|(index, _)| index);
+    let slots = [typed_indexes.next(), typed_indexes.next()];
     let idempotency_key = sig
         .inputs
         .iter()
@@ -335,7 +382,15 @@ pub(crate) fn signature(sig: &syn::Signature) -> Signature {
         message,
         output,
         idempotency_key,
+        outboxes,
+        slots,
     }
+}
+
+/// Whether `ty` is a path whose last segment is `name`.
+fn names(ty: &Type, name: &str) -> bool {
+    matches!(strip_group(ty), Type::Path(path)
+        if path.path.segments.last().is_some_and(|last| last.ident == name))
 }
 
 fn output(ty: &Type) -> Output {

@@ -5,7 +5,7 @@ use proc_macro2::Span;
 use syn::{LitStr, Member, Type};
 
 use crate::ctxt::Ctxt;
-use crate::parse::{Args, Connection, Fingerprint, KeyPath, Output, Signature};
+use crate::parse::{Args, Connection, Fingerprint, KeyPath, OutboxParam, Output, Signature};
 use crate::unstable;
 
 /// Everything code generation needs, all of it checked.
@@ -36,6 +36,8 @@ pub(crate) struct Outline {
     pub(crate) declared_output: Type,
     /// The parameter the idempotency key is handed in.
     pub(crate) idempotency_key: Option<(usize, Box<syn::Pat>, Box<Type>)>,
+    /// The parameter the outbox is handed in (`&mut Outbox`).
+    pub(crate) outbox: Option<OutboxParam>,
 }
 
 /// What validation gives back when it found mistakes.
@@ -72,18 +74,27 @@ pub(crate) fn plan(
         Some(Fingerprint::Whole) => Some(Vec::new()),
         Some(Fingerprint::Fields(fields)) => Some(fields.paths),
     };
-    let connection = parsed.connection.map_err(|span| {
+    let (outbox, in_a_slot) = outbox(&mut cx, parsed.outboxes, parsed.slots);
+    let connection = if in_a_slot[0] {
+        Err(())
+    } else {
+        parsed.connection.map_err(|span| {
         cx.error(
             span,
             "#[idempotent] handlers take the transaction's connection as their first parameter\nhelp: write `tx: &mut sqlx::PgConnection` (or `&mut sqlx::SqliteConnection`, `&mut sqlx::MySqlConnection`) before the message",
         )
-    });
-    let message = parsed.message.map_err(|span| {
+        })
+    };
+    let message = if in_a_slot[1] {
+        Err(())
+    } else {
+        parsed.message.map_err(|span| {
         cx.error(
             span,
             "#[idempotent] handlers take the message, bound to a name, right after the connection\nhelp: write `msg: &MyMessage` as the second parameter; the key is read from its fields",
         )
-    });
+        })
+    };
     let output = match parsed.output {
         Output::Result { ok, err } => Some((*ok, *err)),
         Output::Path(ty) => {
@@ -109,6 +120,7 @@ pub(crate) fn plan(
                 err,
                 declared_output: (**declared).clone(),
                 idempotency_key: parsed.idempotency_key,
+                outbox,
             })
         }
         _ => None,
@@ -132,6 +144,43 @@ pub(crate) fn plan(
         fingerprint,
         sent_at,
     })
+}
+
+/// The outbox parameter: one, typed `&mut Outbox`, after the connection and the message. Also says
+/// whether an outbox parameter sits where the connection or the message belongs (reported here,
+/// so that those slots report nothing more).
+fn outbox(
+    cx: &mut Ctxt,
+    params: Vec<OutboxParam>,
+    slots: [Option<usize>; 2],
+) -> (Option<OutboxParam>, [bool; 2]) {
+    let mut found = None;
+    let mut in_a_slot = [false; 2];
+    for param in params {
+        if let Some(slot) = slots.iter().position(|slot| *slot == Some(param.index)) {
+            in_a_slot[slot] = true;
+            let what = ["the transaction's connection", "the message"][slot];
+            cx.error_spanned(
+                &param.ty,
+                format_args!(
+                    "#[idempotent] handlers take {what} here, not the outbox\nhelp: write the connection first and the message second; `outbox: &mut Outbox` goes after them"
+                ),
+            );
+        } else if !param.by_mut_ref {
+            cx.error_spanned(
+                &param.ty,
+                "#[idempotent] hands the outbox over as `&mut Outbox`\nhelp: write `outbox: &mut Outbox`; the body queues messages with `outbox.send(…)`, and the rewritten function writes them with its commit",
+            );
+        } else if found.is_some() {
+            cx.error_spanned(
+                &param.ty,
+                "#[idempotent] handlers take one `&mut Outbox`\nhelp: queue every outgoing message through the same outbox: their positions in it give them their ids",
+            );
+        } else {
+            found = Some(param);
+        }
+    }
+    (found, in_a_slot)
 }
 
 /// The `sent_at` field: exactly one.

@@ -66,6 +66,12 @@ pub struct Checks {
     pub sent_at: Option<SystemTime>,
 }
 
+/// The claim's outbox, handed to the body's `&mut Outbox` parameter (the macro spans the call on
+/// that parameter's type).
+pub fn outbox(outbox: &mut crate::outbox::Outbox) -> &mut crate::outbox::Outbox {
+    outbox
+}
+
 /// Checks the key and claims it; a duplicate carries no response.
 pub async fn start<DB: Backend, T, E>(
     inbox: &Inbox<DB>,

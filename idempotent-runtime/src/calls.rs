@@ -243,11 +243,11 @@ impl<DB: Backend> Inbox<DB> {
         let statements = &self.config.statements;
         let conn = session.start_step();
         // `call_release` also runs in a handler's transaction (the HTTP layer's): alone only here.
-        begin_alone::<DB>(conn, statements)
+        begin_alone::<DB>(conn, statements.pooled)
             .await
             .map_err(database_error(Stage::Call))?;
         let released = DB::call_release(conn, statements, lease.id(), lease.fence).await;
-        let released = end_alone::<DB, _>(conn, statements, released)
+        let released = end_alone::<DB, _>(conn, statements.pooled, released)
             .await
             .map_err(database_error(Stage::Call))?;
         session.end_step();

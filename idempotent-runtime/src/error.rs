@@ -27,6 +27,10 @@ pub enum Stage {
     Call,
     /// Forgetting a message on purpose, with its audit row.
     Forget,
+    /// Writing outgoing messages to the outbox, in the handler's transaction.
+    Outbox,
+    /// Taking outgoing messages from the outbox and marking what the broker confirmed (a relay).
+    Relay,
 }
 
 impl fmt::Display for Stage {
@@ -41,6 +45,8 @@ impl fmt::Display for Stage {
             Stage::Purge => "purging expired rows",
             Stage::Call => "recording a call to an outside service",
             Stage::Forget => "forgetting a message",
+            Stage::Outbox => "writing outgoing messages to the outbox",
+            Stage::Relay => "relaying outgoing messages from the outbox",
         })
     }
 }
@@ -204,6 +210,16 @@ pub enum InboxError {
         "a pooler in transaction mode sits between the inbox and the database; open the inbox with_transaction_pooling()"
     )]
     TransactionPooling,
+    /// An outgoing message queued in the [outbox](crate::outbox) cannot be stored or published as
+    /// it is (an empty destination, an empty id, a text too long or holding a NUL byte). Nothing
+    /// was committed; not retryable: the handler queues the same message again.
+    #[error("outgoing message {position} of the outbox cannot be sent: {reason}")]
+    Outgoing {
+        /// Its position among the outbox's messages, from 0.
+        position: usize,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
     /// The database failed; see [`InboxError::is_retryable`].
     #[error("database error while {stage}")]
     Database {

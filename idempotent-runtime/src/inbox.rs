@@ -12,6 +12,7 @@ use tokio::sync::Semaphore;
 use crate::error::{Error, Fault, InboxError, Stage};
 use crate::key::{AsMessageKey, IdempotencyKey, MessageKey};
 use crate::metrics::{Metrics, MetricsSnapshot, Outcome};
+use crate::outbox::message::{self as outgoing, Outbox};
 use crate::retention::{self, Expired, PurgeReport, Purger, PurgerOptions, Retention};
 use crate::schema::{self, Migration};
 use crate::session::{Session, Source, Spares, Worker};
@@ -284,13 +285,12 @@ impl<DB: Backend> Inbox<DB> {
                     }
                 }
                 tracing::debug!(consumer, key = %key.digest(), "claimed message key");
-                return Ok(Claim::New(Claimed {
+                return Ok(Claim::New(Claimed::new(
                     tx,
-                    consumer: consumer.into(),
-                    key: key.into_owned(),
-                    config: self.config.clone(),
-                    metrics: self.metrics.clone(),
-                }));
+                    consumer,
+                    key.into_owned(),
+                    self,
+                )));
             }
             ClaimOutcome::Duplicate(session) => session,
         };
@@ -583,12 +583,13 @@ pub struct Claimed<DB: Backend> {
     key: MessageKey,
     config: Arc<Config<DB>>,
     metrics: Arc<Metrics>,
+    /// The messages to write to the outbox at the commit.
+    outbox: Outbox,
 }
 
 impl<DB: Backend> Claimed<DB> {
-    /// The claim of `key` that `tx` holds, made by a claim of its own (the HTTP layer's, which
-    /// does not wait for a concurrent claim of the same key).
-    #[cfg_attr(not(feature = "http"), allow(dead_code))]
+    /// The claim of `key` that `tx` holds (made by [`Inbox::claim_with`], or by the HTTP layer's
+    /// claim, which does not wait for a concurrent claim of the same key).
     pub(crate) fn new(
         tx: InboxTransaction<DB>,
         consumer: &str,
@@ -597,6 +598,7 @@ impl<DB: Backend> Claimed<DB> {
     ) -> Self {
         Self {
             tx,
+            outbox: Outbox::of(consumer, key.clone()),
             consumer: consumer.into(),
             key,
             config: inbox.config.clone(),
@@ -622,6 +624,19 @@ impl<DB: Backend> Claimed<DB> {
         self.tx.connection()
     }
 
+    /// The messages to send with this transaction: [`commit`](Self::commit) writes them to the
+    /// [outbox](crate::outbox) table before it commits, so that they commit with the handler's
+    /// work. Their ids derive from the consumer, the key and their position.
+    pub fn outbox(&mut self) -> &mut Outbox {
+        &mut self.outbox
+    }
+
+    /// The transaction's connection and the outbox, both at once (what a handler with an
+    /// `outbox: &mut Outbox` parameter is handed).
+    pub fn connection_and_outbox(&mut self) -> (&mut DB::Connection, &mut Outbox) {
+        (self.tx.connection(), &mut self.outbox)
+    }
+
     /// The claimed key.
     pub fn key(&self) -> &MessageKey {
         &self.key
@@ -638,14 +653,24 @@ impl<DB: Backend> Claimed<DB> {
     /// [`InboxError::TransactionAborted`] or [`InboxError::TransactionEnded`], never `Ok`.
     pub async fn commit(self) -> Result<(), InboxError> {
         let Self {
-            tx,
+            mut tx,
             consumer,
             key,
             config,
             metrics,
+            outbox,
         } = self;
         let claim = (&config.statements, &*consumer, &key);
-        let committed = commit(tx, Some(claim)).await;
+        let written =
+            outgoing::write::<DB>(tx.connection(), &config.statements.outbox, &outbox).await;
+        let committed = match written {
+            Ok(()) => commit(tx, Some(claim)).await,
+            Err(error) => {
+                // Nothing of the message is committed: its redelivery queues the messages again.
+                let _ = tx.rollback().await;
+                Err(error)
+            }
+        };
         match &committed {
             Ok(()) => {
                 metrics.message(&consumer, Outcome::Processed, 1);

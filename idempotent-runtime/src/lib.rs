@@ -20,6 +20,7 @@ pub mod key;
 mod markers;
 pub mod metrics;
 pub mod operations;
+pub mod outbox;
 mod retention;
 pub mod schema;
 mod session;

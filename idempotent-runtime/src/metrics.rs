@@ -10,7 +10,13 @@
 //! | [`idempotent_claim_wait_seconds`](CLAIM_WAIT) | histogram | `consumer`, `outcome` | how long each claim took, from its `BEGIN` to the answer: the time it waited for an in-flight twin (or SQLite's write lock) shows here; `outcome` is `claimed` or `duplicate` |
 //! | [`idempotent_calls_total`](CALLS) | counter | `consumer`, `outcome` | calls to outside services refused: `in_progress` (another attempt holds the lease), `fenced` (a late attempt's result refused) |
 //! | [`idempotent_forgotten_total`](FORGOTTEN) | counter | `consumer` | messages forgotten on purpose ([`Inbox::forget`](crate::Inbox::forget)) |
-//! | [`idempotent_purged_rows_total`](PURGED) | counter | `table`, `kind` | rows deleted by purges: `kind` is `inbox`, `calls` or `audit` |
+//! | [`idempotent_purged_rows_total`](PURGED) | counter | `table`, `kind` | rows deleted by purges: `kind` is `inbox`, `calls`, `audit`, `outbox` (sent outgoing messages) or `outbox_keys` |
+//! | [`idempotent_outbox_published_total`](OUTBOX_PUBLISHED) | counter | `table` | outgoing messages a relay published and marked sent (the broker confirmed them) |
+//! | [`idempotent_outbox_retried_total`](OUTBOX_RETRIED) | counter | `table`, `reason` | publications that failed and will be tried again: `rejected` (the broker refused the message; counts as an attempt) or `unavailable` (the broker could not be reached or did not confirm) |
+//! | [`idempotent_outbox_parked_total`](OUTBOX_PARKED) | counter | `table` | outgoing messages parked after their last attempt |
+//! | [`idempotent_outbox_backlog`](OUTBOX_BACKLOG) | gauge | `table` | outgoing messages committed and not yet sent (parked ones not counted), sampled by a relay |
+//! | [`idempotent_outbox_oldest_unsent_seconds`](OUTBOX_OLDEST) | gauge | `table` | the age of the oldest of them (0 when there is none) |
+//! | [`idempotent_outbox_delay_seconds`](OUTBOX_DELAY) | histogram | `table` | from an outgoing message's write to the broker's confirmation |
 //!
 //! Nothing is recorded without a recorder (the facade's calls then cost next to nothing). Call
 //! [`describe`] once after installing one to give the metrics their descriptions and units.
@@ -26,8 +32,21 @@ pub const CLAIM_WAIT: &str = "idempotent_claim_wait_seconds";
 pub const CALLS: &str = "idempotent_calls_total";
 /// Messages forgotten on purpose, by `consumer`.
 pub const FORGOTTEN: &str = "idempotent_forgotten_total";
-/// Rows deleted by purges, by `table` and `kind` (`inbox`, `calls`, `audit`).
+/// Rows deleted by purges, by `table` and `kind` (`inbox`, `calls`, `audit`, `outbox`,
+/// `outbox_keys`).
 pub const PURGED: &str = "idempotent_purged_rows_total";
+/// Outgoing messages published and marked sent, by `table`.
+pub const OUTBOX_PUBLISHED: &str = "idempotent_outbox_published_total";
+/// Failed publications to be tried again, by `table` and `reason` (`rejected`, `unavailable`).
+pub const OUTBOX_RETRIED: &str = "idempotent_outbox_retried_total";
+/// Outgoing messages parked after their last attempt, by `table`.
+pub const OUTBOX_PARKED: &str = "idempotent_outbox_parked_total";
+/// Outgoing messages committed and not yet sent, by `table`.
+pub const OUTBOX_BACKLOG: &str = "idempotent_outbox_backlog";
+/// The age of the oldest unsent outgoing message (seconds), by `table`.
+pub const OUTBOX_OLDEST: &str = "idempotent_outbox_oldest_unsent_seconds";
+/// From an outgoing message's write to the broker's confirmation (seconds), by `table`.
+pub const OUTBOX_DELAY: &str = "idempotent_outbox_delay_seconds";
 
 /// Describes the inbox's metrics to the installed recorder (descriptions and units). Call it once
 /// after installing the recorder; recording works without it.
@@ -44,6 +63,32 @@ pub fn describe() {
     ::metrics::describe_counter!(CALLS, "Calls to outside services refused, by outcome");
     ::metrics::describe_counter!(FORGOTTEN, "Messages forgotten on purpose");
     ::metrics::describe_counter!(PURGED, "Rows deleted by the purge, by kind");
+    ::metrics::describe_counter!(
+        OUTBOX_PUBLISHED,
+        "Outgoing messages the broker confirmed and a relay marked sent"
+    );
+    ::metrics::describe_counter!(
+        OUTBOX_RETRIED,
+        "Failed publications of outgoing messages, to be tried again, by reason"
+    );
+    ::metrics::describe_counter!(
+        OUTBOX_PARKED,
+        "Outgoing messages parked after their last attempt"
+    );
+    ::metrics::describe_gauge!(
+        OUTBOX_BACKLOG,
+        "Outgoing messages committed and not yet sent"
+    );
+    ::metrics::describe_gauge!(
+        OUTBOX_OLDEST,
+        ::metrics::Unit::Seconds,
+        "Age of the oldest outgoing message not yet sent"
+    );
+    ::metrics::describe_histogram!(
+        OUTBOX_DELAY,
+        ::metrics::Unit::Seconds,
+        "Time from an outgoing message's write to the broker's confirmation"
+    );
 }
 
 /// What became of a message, as counted.
@@ -81,6 +126,8 @@ pub(crate) enum Purged {
     Inbox,
     Calls,
     Audit,
+    Outbox,
+    OutboxKeys,
 }
 
 /// The live counters, shared by an inbox and its clones.
@@ -97,6 +144,7 @@ pub(crate) struct Metrics {
     rows_purged: AtomicU64,
     calls_purged: AtomicU64,
     audit_purged: AtomicU64,
+    outbox_purged: AtomicU64,
 }
 
 /// What an inbox counted, as returned by [`Inbox::metrics`](crate::Inbox::metrics): the same
@@ -127,6 +175,8 @@ pub struct MetricsSnapshot {
     pub calls_purged: u64,
     /// Expired audit rows deleted by purges.
     pub audit_purged: u64,
+    /// Sent outgoing messages deleted by purges, after the outbox's retention.
+    pub outbox_purged: u64,
 }
 
 fn add(counter: &AtomicU64, n: u64) {
@@ -183,6 +233,14 @@ impl Metrics {
             Purged::Inbox => (&self.rows_purged, "inbox"),
             Purged::Calls => (&self.calls_purged, "calls"),
             Purged::Audit => (&self.audit_purged, "audit"),
+            Purged::Outbox => (&self.outbox_purged, "outbox"),
+            Purged::OutboxKeys => {
+                if n > 0 {
+                    ::metrics::counter!(PURGED, "table" => table.to_owned(), "kind" => "outbox_keys")
+                        .increment(n);
+                }
+                return;
+            }
         };
         add(counter, n);
         if n > 0 {
@@ -204,6 +262,55 @@ impl Metrics {
             rows_purged: get(&self.rows_purged),
             calls_purged: get(&self.calls_purged),
             audit_purged: get(&self.audit_purged),
+            outbox_purged: get(&self.outbox_purged),
         }
+    }
+}
+
+/// What a relay records through the facade, for the outbox of `table`.
+pub(crate) struct OutboxMetrics {
+    table: String,
+}
+
+impl OutboxMetrics {
+    pub(crate) fn new(table: &str) -> Self {
+        Self {
+            table: table.to_owned(),
+        }
+    }
+
+    /// Counts `n` messages published and marked sent, and how long each took since its write.
+    pub(crate) fn published(&self, delays: &[Duration]) {
+        if delays.is_empty() {
+            return;
+        }
+        ::metrics::counter!(OUTBOX_PUBLISHED, "table" => self.table.clone())
+            .increment(delays.len() as u64);
+        let histogram = ::metrics::histogram!(OUTBOX_DELAY, "table" => self.table.clone());
+        for delay in delays {
+            histogram.record(delay.as_secs_f64());
+        }
+    }
+
+    /// Counts `n` failed publications to be tried again; `rejected` by the broker, or not.
+    pub(crate) fn retried(&self, rejected: bool, n: u64) {
+        if n > 0 {
+            let reason = if rejected { "rejected" } else { "unavailable" };
+            ::metrics::counter!(OUTBOX_RETRIED, "table" => self.table.clone(), "reason" => reason)
+                .increment(n);
+        }
+    }
+
+    /// Counts `n` messages parked.
+    pub(crate) fn parked(&self, n: u64) {
+        if n > 0 {
+            ::metrics::counter!(OUTBOX_PARKED, "table" => self.table.clone()).increment(n);
+        }
+    }
+
+    /// Records the backlog: `rows` unsent, the oldest `oldest` old.
+    pub(crate) fn backlog(&self, rows: u64, oldest: Duration) {
+        ::metrics::gauge!(OUTBOX_BACKLOG, "table" => self.table.clone()).set(rows as f64);
+        ::metrics::gauge!(OUTBOX_OLDEST, "table" => self.table.clone()).set(oldest.as_secs_f64());
     }
 }

@@ -235,11 +235,11 @@ impl<DB: Backend> Inbox<DB> {
         let statements = &self.config.statements;
         let conn = session.start_step();
         // `inspect` also runs in `forget`'s transaction: alone only here.
-        begin_alone::<DB>(conn, statements)
+        begin_alone::<DB>(conn, statements.pooled)
             .await
             .map_err(database_error(Stage::Inspect))?;
         let row = DB::inspect(conn, statements, consumer, key.as_bytes()).await;
-        let row = end_alone::<DB, _>(conn, statements, row)
+        let row = end_alone::<DB, _>(conn, statements.pooled, row)
             .await
             .map_err(database_error(Stage::Inspect))?;
         session.end_step();

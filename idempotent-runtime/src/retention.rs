@@ -41,6 +41,8 @@ pub struct Retention {
     pub(crate) default: Duration,
     pub(crate) per_consumer: BTreeMap<String, Duration>,
     pub(crate) skew_margin: Duration,
+    /// How long sent outgoing messages are kept.
+    pub(crate) outbox: Duration,
 }
 
 impl Retention {
@@ -49,6 +51,17 @@ impl Retention {
 
     /// The default clock-skew margin: 1 hour.
     pub const DEFAULT_SKEW_MARGIN: Duration = Duration::from_secs(60 * 60);
+
+    /// How long sent outgoing messages are kept by default: 24 hours.
+    pub const DEFAULT_OUTBOX: Duration = Duration::from_secs(24 * 60 * 60);
+
+    /// How long the [outbox](crate::outbox)'s sent messages are kept after they were sent
+    /// (default [`DEFAULT_OUTBOX`](Self::DEFAULT_OUTBOX);
+    /// [`Inbox::with_outbox_retention`](crate::Inbox::with_outbox_retention) changes it). Pending
+    /// and parked messages are never purged.
+    pub fn outbox(&self) -> Duration {
+        self.outbox
+    }
 
     /// The margin between a producer's clock, which stamps a message's send time, and the
     /// database's, which sets the purge horizon: a message is refused as older than the horizon
@@ -77,6 +90,7 @@ impl Default for Retention {
             default: Self::DEFAULT,
             per_consumer: BTreeMap::new(),
             skew_margin: Self::DEFAULT_SKEW_MARGIN,
+            outbox: Self::DEFAULT_OUTBOX,
         }
     }
 }
@@ -91,6 +105,8 @@ pub struct PurgeReport {
     pub calls_deleted: u64,
     /// Audit rows deleted.
     pub audit_deleted: u64,
+    /// Sent outgoing messages deleted (see [`Retention::outbox`]).
+    pub outbox_deleted: u64,
     /// Batches (transactions) it took.
     pub batches: u64,
     /// Another instance was purging, so this one did nothing.
@@ -249,6 +265,7 @@ pub(crate) async fn purge<DB: Backend>(
         deleted = report.deleted,
         calls_deleted = report.calls_deleted,
         audit_deleted = report.audit_deleted,
+        outbox_deleted = report.outbox_deleted,
         batches = report.batches,
         "purged expired inbox rows"
     );
@@ -308,7 +325,7 @@ async fn purge_locked<DB: Backend>(
                 *match kind {
                     Purged::Inbox => &mut report.deleted,
                     Purged::Calls => &mut report.calls_deleted,
-                    Purged::Audit => &mut report.audit_deleted,
+                    _ => &mut report.audit_deleted,
                 } += deleted;
                 report.batches += 1;
                 scope.metrics.purged(scope.table.as_str(), kind, deleted);
@@ -318,6 +335,32 @@ async fn purge_locked<DB: Backend>(
                 if !pause.is_zero() {
                     tokio::time::sleep(pause).await;
                 }
+            }
+        }
+    }
+    // The outbox's sent messages, then the ordering keys with nothing left to send.
+    let cutoff = cutoff(now, millis(scope.retention.outbox));
+    let outbox = &scope.statements.outbox;
+    for (statement, kind) in [
+        (&outbox.purge_sent, Purged::Outbox),
+        (&outbox.purge_keys, Purged::OutboxKeys),
+    ] {
+        loop {
+            let conn = session.start_step();
+            let deleted = DB::purge_step(conn, scope.statements, statement, cutoff, &[], batch)
+                .await
+                .map_err(failed())?;
+            session.end_step();
+            if let Purged::Outbox = kind {
+                report.outbox_deleted += deleted;
+            }
+            report.batches += 1;
+            scope.metrics.purged(scope.table.as_str(), kind, deleted);
+            if deleted < batch as u64 {
+                break;
+            }
+            if !pause.is_zero() {
+                tokio::time::sleep(pause).await;
             }
         }
     }

@@ -12,6 +12,7 @@
 //! |---|---|
 //! | 1 | the inbox table and `<table>_calls` |
 //! | 2 | `<table>_calls.updated_at` (the retention of call records; calls recorded before the upgrade count from the upgrade), `<table>_horizons` (each consumer's purge horizon), `<table>_audit` (messages forgotten on purpose), `<table>_schema` |
+//! | 3 | `<table>_outbox` (the [outbox](crate::outbox)'s outgoing messages) and `<table>_outbox_keys` (the last number given to each ordering key) |
 //!
 //! Teams that run their own migrations take the same statements from [`ddl`] (or the CLI's
 //! `idempotent ddl`), including the row that records the version, so that a later `migrate()`
@@ -23,7 +24,7 @@ use crate::store::{Backend, Statements, database_error};
 use crate::table::TableName;
 
 /// The schema version this library creates and upgrades to.
-pub const CURRENT_VERSION: u32 = 2;
+pub const CURRENT_VERSION: u32 = 3;
 
 /// What a migration did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

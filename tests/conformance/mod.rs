@@ -15,10 +15,12 @@ mod adversarial;
 mod batch;
 mod lifecycle;
 mod operations;
+mod outbox;
 pub use adversarial::*;
 pub use batch::*;
 pub use lifecycle::*;
 pub use operations::*;
+pub use outbox::*;
 
 pub async fn duplicate_delivery_runs_the_body_once(h: impl Harness) {
     let msg = Delivery::new("paid-1");
@@ -501,6 +503,18 @@ macro_rules! conformance_tests {
             forget_runs_a_message_again_and_leaves_an_audit_row
             migrate_upgrades_the_first_release_tables_without_losing_rows
             migrate_refuses_a_schema_newer_than_the_library
+            rolled_back_body_leaves_no_outgoing_row
+            committed_body_leaves_exactly_its_rows
+            rerun_after_rollback_yields_the_same_ids
+            outgoing_rows_commit_with_the_callers_own_transaction
+            unusable_outgoing_message_fails_the_handler_and_commits_nothing
+            two_relays_never_publish_one_row_at_once
+            ordering_per_key_holds_under_concurrent_producers
+            a_second_writer_of_an_ordering_key_waits_for_the_first_commit
+            poison_is_parked_never_blocks_the_rest_and_is_retryable_by_hand
+            unconfirmed_messages_stay_pending_without_counting_an_attempt
+            sent_outgoing_rows_are_purged_after_the_outbox_retention
+            migrate_upgrades_version_2_tables_to_the_outbox
         );
     };
     (@cases $new:expr; $($case:ident)*) => {$(

@@ -29,7 +29,35 @@ pub struct Delivery {
     pub uuid: uuid::Uuid,
     /// When the message says it was sent: the `stamped` handler's `sent_at` field.
     pub sent_at: Option<std::time::SystemTime>,
+    /// What the `notifier` handler queues in its outbox.
+    pub outgoing: Outgoing,
 }
+
+/// The outgoing messages the `notifier` handler queues: `count` messages to the queue
+/// `destination` (payload `<label>#<i>`, header `label`), each with `ordering_key` if set; the ids
+/// the outbox gave them are pushed to `ids`.
+#[derive(Clone)]
+pub struct Outgoing {
+    pub count: usize,
+    pub destination: String,
+    pub ordering_key: Option<String>,
+    pub ids: Arc<std::sync::Mutex<Vec<String>>>,
+}
+
+impl Default for Outgoing {
+    fn default() -> Self {
+        Self {
+            count: 1,
+            destination: "notifications".into(),
+            ordering_key: None,
+            ids: Arc::default(),
+        }
+    }
+}
+
+/// An outbox row as [`Harness::outbox_rows`] reads it: `(message_id, routing_key, ordering_key,
+/// ordering_seq, state, origin)`.
+pub type OutboxRow = (String, String, Option<String>, Option<i64>, i64, String);
 
 #[derive(Clone)]
 pub enum Behaviour {
@@ -61,6 +89,7 @@ impl Delivery {
             behaviour: Behaviour::Succeed,
             uuid: uuid::Uuid::now_v7(),
             sent_at: None,
+            outgoing: Outgoing::default(),
         }
     }
 
@@ -92,6 +121,12 @@ impl Delivery {
 
     pub fn with_raw_id(mut self, raw_id: Vec<u8>) -> Self {
         self.raw_id = raw_id;
+        self
+    }
+
+    /// This message with the `notifier` handler queueing `outgoing`.
+    pub fn sending(mut self, outgoing: Outgoing) -> Self {
+        self.outgoing = outgoing;
         self
     }
 
@@ -204,6 +239,28 @@ pub trait Harness {
 
     /// Calls the `keyed` handler, which records the idempotency key it is handed as its label.
     fn deliver_keyed(&self, msg: &Delivery) -> impl Future<Output = Outcome>;
+
+    /// Calls the `notifier` handler on `inbox`: its effect, and the outgoing messages
+    /// `msg.outgoing` says, through an `outbox: &mut Outbox` parameter.
+    fn deliver_notifier_on(
+        &self,
+        inbox: &Inbox<Self::Db>,
+        msg: &Delivery,
+    ) -> impl Future<Output = Outcome>;
+
+    /// Calls the `notifier` handler.
+    fn deliver_notifier(&self, msg: &Delivery) -> impl Future<Output = Outcome> {
+        self.deliver_notifier_on(self.inbox(), msg)
+    }
+
+    /// The outbox's rows, in the order they were written.
+    fn outbox_rows(&self) -> impl Future<Output = Vec<OutboxRow>>;
+
+    /// The database lets one transaction write at a time (SQLite): relays on two pools take turns
+    /// through its lock, whose waiters poll, so one of them may do all the work.
+    fn one_writer(&self) -> bool {
+        false
+    }
 
     /// Handles `msgs` as one batch for the consumer `batch`.
     fn deliver_batch(
@@ -335,6 +392,30 @@ macro_rules! effect_handlers {
                 }
             }
             effect(tx, "savepoints", msg).await
+        }
+
+        /// Queues the outgoing messages `msg.outgoing` says, then writes its effect and behaves as
+        /// `msg` says.
+        #[idempotent(key = "message_id", consumer = "notifier")]
+        pub async fn notifier(
+            tx: &mut $conn,
+            msg: &Delivery,
+            outbox: &mut idempotent::outbox::Outbox,
+        ) -> Result<(), TestError> {
+            use idempotent::outbox::{Destination, OutgoingMessage};
+            let outgoing = &msg.outgoing;
+            for i in 0..outgoing.count {
+                let payload = format!("{}#{i}", msg.label).into_bytes();
+                let mut message =
+                    OutgoingMessage::new(Destination::queue(outgoing.destination.clone()), payload)
+                        .with_header("label", msg.label.clone());
+                if let Some(key) = &outgoing.ordering_key {
+                    message = message.with_ordering_key(key.clone());
+                }
+                let id = outbox.send(message);
+                outgoing.ids.lock().unwrap().push(id);
+            }
+            effect(tx, "notifier", msg).await
         }
 
         #[idempotent(key = "uuid", consumer = "events")]
@@ -470,6 +551,24 @@ macro_rules! harness_methods {
 
         async fn deliver_keyed(&self, msg: &Delivery) -> Outcome {
             handlers::keyed(&self.inbox, msg).await
+        }
+
+        async fn deliver_notifier_on(
+            &self,
+            inbox: &idempotent::Inbox<Self::Db>,
+            msg: &Delivery,
+        ) -> Outcome {
+            handlers::notifier(inbox, msg).await
+        }
+
+        async fn outbox_rows(&self) -> Vec<crate::support::OutboxRow> {
+            sqlx::query_as(
+                "SELECT message_id, routing_key, ordering_key, ordering_seq, state, origin \
+                 FROM idempotent_inbox_outbox ORDER BY id",
+            )
+            .fetch_all(&self.pool)
+            .await
+            .unwrap()
         }
 
         async fn deliver_savepoints(&self, msg: &Delivery) -> Outcome {

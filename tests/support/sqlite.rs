@@ -72,6 +72,10 @@ impl Harness for SqliteHarness {
 
     type Db = Sqlite;
 
+    fn one_writer(&self) -> bool {
+        true
+    }
+
     fn inbox_with_pool(&self, connections: u32) -> Inbox<Self::Db> {
         if self._dir.is_none() {
             return self.inbox.clone(); // the in-memory database has one connection already

@@ -51,6 +51,9 @@
 /// The NATS client this runner was built against: make the runner's context and consumer with it.
 pub use async_nats;
 
+mod publisher;
+pub use publisher::OutboxPublisher;
+
 use std::fmt;
 use std::future::Future;
 use std::sync::Arc;

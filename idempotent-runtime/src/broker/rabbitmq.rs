@@ -46,6 +46,9 @@
 /// The AMQP client this runner was built against: make the runner's channel with it.
 pub use lapin;
 
+mod publisher;
+pub use publisher::OutboxPublisher;
+
 use std::collections::BTreeSet;
 use std::fmt;
 use std::future::Future;

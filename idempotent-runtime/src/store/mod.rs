@@ -26,6 +26,7 @@ use crate::table::TableName;
 pub mod mysql;
 #[cfg(feature = "http")]
 pub(crate) mod no_wait;
+mod outbox;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub mod postgres;
@@ -35,13 +36,17 @@ mod queries;
 pub mod sqlite;
 mod statements;
 
+pub(crate) use outbox::{
+    Failure, NewRow, OutboxDialect, OutboxQueries, OutboxStatements, PARKED, PENDING, SENT,
+    ShownRow,
+};
 pub(crate) use queries::{Queries, begin_alone, end_alone};
 pub(crate) use statements::{CallId, CallRow, Dialect, PurgeScope, PurgeStatements, Statements};
 
 /// A database the inbox can live in: [`sqlx::Postgres`], [`sqlx::Sqlite`] and [`sqlx::MySql`]
 /// (with the `postgres`, `sqlite` and `mysql` features). Sealed: what it requires is the inbox's
 /// business, not a user's.
-pub trait Backend: private::Store + Queries {}
+pub trait Backend: private::Store + Queries + OutboxQueries {}
 
 /// A connection type a handler can take: `&mut sqlx::PgConnection`, `&mut sqlx::SqliteConnection`
 /// or `&mut sqlx::MySqlConnection`. It names the [`Backend`] whose [`Inbox`](crate::Inbox) the
@@ -239,6 +244,18 @@ mod private {
         /// The purger's lock lives in the session (PostgreSQL, MySQL), rather than nowhere
         /// (SQLite serializes its writers anyway).
         const PURGE_LOCK: bool = true;
+
+        /// Starts a task that calls `wake` each time a transaction that wrote outbox rows commits
+        /// (PostgreSQL: `LISTEN` on `channel`, which [`OutboxDialect::notify`] notifies), and
+        /// once after each reconnection (notifications sent meanwhile are lost); `None` where the
+        /// database has no such thing, and relays only poll.
+        fn listen_outbox(
+            _pool: &Pool<Self>,
+            _channel: &str,
+            _wake: std::sync::Arc<dyn Fn() + Send + Sync>,
+        ) -> Option<tokio::task::JoinHandle<()>> {
+            None
+        }
     }
 }
 

@@ -56,7 +56,7 @@ use sqlx::mysql::{MySqlConnection, MySqlDatabaseError, MySqlTransactionManager};
 use sqlx::{AssertSqlSafe, Executor, MySql};
 use sqlx_core::transaction::TransactionManager;
 
-use super::{Backend, Dialect, Ending, HandlerConnection, Statements, Store};
+use super::{Backend, Dialect, Ending, HandlerConnection, OutboxDialect, Statements, Store};
 use crate::error::Fault;
 use crate::table::TableName;
 
@@ -98,6 +98,12 @@ impl Store for MySql {
         int: "SIGNED",
         upsert_horizon: " ON DUPLICATE KEY UPDATE purged_until = GREATEST(purged_until, VALUES(purged_until))",
         delete_limit: true,
+        outbox: OutboxDialect {
+            skip_locked: " FOR UPDATE SKIP LOCKED",
+            next_seq: " ON DUPLICATE KEY UPDATE last_seq = last_seq + 1, updated_at = VALUES(updated_at)",
+            notify: None,
+            mark_on_take: false,
+        },
     };
 
     const REFUSES_LATER_WRITES: bool = true;
@@ -209,6 +215,43 @@ impl Store for MySql {
     version     INT    NOT NULL PRIMARY KEY,
     migrated_at BIGINT NOT NULL
 ) ENGINE = InnoDB"
+                ),
+            ],
+            // Text compared byte by byte (`utf8mb4_bin`), read back as text.
+            3 => vec![
+                format!(
+                    "CREATE TABLE IF NOT EXISTS {} (
+    id           BIGINT       NOT NULL AUTO_INCREMENT PRIMARY KEY,
+    message_id   VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL,
+    exchange     VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL,
+    routing_key  VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL,
+    payload      LONGBLOB     NOT NULL,
+    headers      LONGBLOB,
+    origin       VARCHAR(200) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL,
+    ordering_key VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin,
+    ordering_seq BIGINT,
+    state        BIGINT       NOT NULL,
+    attempts     BIGINT       NOT NULL,
+    created_at   BIGINT       NOT NULL,
+    due_at       BIGINT       NOT NULL,
+    sent_at      BIGINT,
+    last_error   TEXT CHARACTER SET utf8mb4,
+    INDEX {} (state, ordering_key, ordering_seq, id),
+    INDEX {} (state, sent_at)
+) ENGINE = InnoDB",
+                    q("outbox"),
+                    q("outbox_pending"),
+                    q("outbox_sent")
+                ),
+                format!(
+                    "CREATE TABLE IF NOT EXISTS {} (
+    ordering_key VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL PRIMARY KEY,
+    last_seq     BIGINT       NOT NULL,
+    updated_at   BIGINT       NOT NULL,
+    INDEX {} (updated_at)
+) ENGINE = InnoDB",
+                    q("outbox_keys"),
+                    q("outbox_keys_at")
                 ),
             ],
             _ => Vec::new(),

@@ -65,7 +65,7 @@ use sqlx::postgres::{PgConnection, PgDatabaseError, PgTransactionManager};
 use sqlx::{AssertSqlSafe, Executor, PgPool, Postgres, Row, SqlSafeStr};
 use sqlx_core::transaction::TransactionManager;
 
-use super::{Backend, Dialect, Ending, HandlerConnection, Statements, Store};
+use super::{Backend, Dialect, Ending, HandlerConnection, OutboxDialect, Statements, Store};
 use crate::error::Fault;
 use crate::key::hex;
 use crate::table::TableName;
@@ -112,6 +112,13 @@ impl Store for Postgres {
         upsert_horizon: " ON CONFLICT (consumer) DO UPDATE \
             SET purged_until = GREATEST({h}.purged_until, EXCLUDED.purged_until)",
         delete_limit: false,
+        outbox: OutboxDialect {
+            skip_locked: " FOR UPDATE SKIP LOCKED",
+            next_seq: " ON CONFLICT (ordering_key) DO UPDATE \
+                SET last_seq = {k}.last_seq + 1, updated_at = {now}",
+            notify: Some("SELECT pg_notify('{c}', '')"),
+            mark_on_take: true,
+        },
     };
 
     const BEGIN: &'static str = "BEGIN; SET LOCAL idempotent.claim = 'on'";
@@ -267,6 +274,54 @@ impl Store for Postgres {
 )"
                 ),
             ],
+            3 => {
+                let (outbox, keys) = (q("outbox"), q("outbox_keys"));
+                vec![
+                    format!(
+                        "CREATE TABLE IF NOT EXISTS {outbox} (
+    id           BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    message_id   TEXT   NOT NULL,
+    exchange     TEXT   NOT NULL,
+    routing_key  TEXT   NOT NULL,
+    payload      BYTEA  NOT NULL,
+    headers      BYTEA,
+    origin       TEXT   NOT NULL,
+    ordering_key TEXT,
+    ordering_seq BIGINT,
+    state        BIGINT NOT NULL,
+    attempts     BIGINT NOT NULL,
+    created_at   BIGINT NOT NULL,
+    due_at       BIGINT NOT NULL,
+    sent_at      BIGINT,
+    last_error   TEXT
+)"
+                    ),
+                    format!(
+                        "CREATE INDEX IF NOT EXISTS {} ON {outbox} (id) WHERE state = 0",
+                        q("outbox_pending")
+                    ),
+                    format!(
+                        "CREATE INDEX IF NOT EXISTS {} ON {outbox} (ordering_key, ordering_seq) \
+                         WHERE state <> 1 AND ordering_key IS NOT NULL",
+                        q("outbox_key_seq")
+                    ),
+                    format!(
+                        "CREATE INDEX IF NOT EXISTS {} ON {outbox} (sent_at) WHERE state = 1",
+                        q("outbox_sent")
+                    ),
+                    format!(
+                        "CREATE TABLE IF NOT EXISTS {keys} (
+    ordering_key TEXT   NOT NULL PRIMARY KEY,
+    last_seq     BIGINT NOT NULL,
+    updated_at   BIGINT NOT NULL
+)"
+                    ),
+                    format!(
+                        "CREATE INDEX IF NOT EXISTS {} ON {keys} (updated_at)",
+                        q("outbox_keys_at")
+                    ),
+                ]
+            }
             _ => Vec::new(),
         }
     }
@@ -373,6 +428,18 @@ impl Store for Postgres {
 
     async fn transaction_pooled(pool: &PgPool) -> Result<bool, sqlx::Error> {
         transaction_pooled(pool).await
+    }
+
+    fn listen_outbox(
+        pool: &sqlx::Pool<Postgres>,
+        channel: &str,
+        wake: std::sync::Arc<dyn Fn() + Send + Sync>,
+    ) -> Option<tokio::task::JoinHandle<()>> {
+        Some(tokio::spawn(super::outbox::listen_postgres(
+            pool.clone(),
+            channel.to_owned(),
+            wake,
+        )))
     }
 }
 

@@ -50,9 +50,9 @@ macro_rules! bind_purge {
 /// connection in a transaction: sqlx would not know of it, and would end it.
 pub(crate) async fn begin_alone<DB: Database>(
     conn: &mut DB::Connection,
-    statements: &Statements,
+    pooled: bool,
 ) -> Result<(), sqlx::Error> {
-    if statements.pooled {
+    if pooled {
         DB::TransactionManager::begin(conn, None).await?;
     }
     Ok(())
@@ -62,10 +62,10 @@ pub(crate) async fn begin_alone<DB: Database>(
 /// (and on a failed rollback the caller closes the connection, which ends the transaction).
 pub(crate) async fn end_alone<DB: Database, T>(
     conn: &mut DB::Connection,
-    statements: &Statements,
+    pooled: bool,
     outcome: Result<T, sqlx::Error>,
 ) -> Result<T, sqlx::Error> {
-    if statements.pooled {
+    if pooled {
         match outcome {
             Ok(_) => DB::TransactionManager::commit(conn).await?,
             Err(_) => DB::TransactionManager::rollback(conn).await?,
@@ -77,11 +77,12 @@ pub(crate) async fn end_alone<DB: Database, T>(
 /// Runs the future `$run` (which uses `$conn`) between [`begin_alone`] and [`end_alone`].
 macro_rules! alone {
     ($conn:ident, $statements:expr, $run:expr) => {{
-        begin_alone::<DB>($conn, $statements).await?;
+        $crate::store::begin_alone::<DB>($conn, $statements.pooled).await?;
         let outcome = $run.await;
-        end_alone::<DB, _>($conn, $statements, outcome).await
+        $crate::store::end_alone::<DB, _>($conn, $statements.pooled, outcome).await
     }};
 }
+pub(super) use alone;
 
 /// The shared statements; see the module docs.
 pub trait Queries: Store {

@@ -44,7 +44,7 @@ use sqlx::sqlite::{
 use sqlx::{AssertSqlSafe, Executor, SqlSafeStr, Sqlite};
 use sqlx_core::transaction::TransactionManager;
 
-use super::{Backend, Dialect, Ending, HandlerConnection, Statements, Store};
+use super::{Backend, Dialect, Ending, HandlerConnection, OutboxDialect, Statements, Store};
 use crate::error::Fault;
 use crate::table::TableName;
 
@@ -113,6 +113,13 @@ impl Store for Sqlite {
         upsert_horizon: " ON CONFLICT (consumer) DO UPDATE \
             SET purged_until = MAX(purged_until, excluded.purged_until)",
         delete_limit: false,
+        outbox: OutboxDialect {
+            skip_locked: "",
+            next_seq: " ON CONFLICT (ordering_key) DO UPDATE \
+                SET last_seq = last_seq + 1, updated_at = {now}",
+            notify: None,
+            mark_on_take: true,
+        },
     };
 
     const REFUSES_LATER_WRITES: bool = true;
@@ -247,6 +254,54 @@ impl Store for Sqlite {
 )"
                 ),
             ],
+            3 => {
+                let (outbox, keys) = (q("outbox"), q("outbox_keys"));
+                vec![
+                    format!(
+                        "CREATE TABLE IF NOT EXISTS {outbox} (
+    id           INTEGER PRIMARY KEY AUTOINCREMENT,
+    message_id   TEXT    NOT NULL,
+    exchange     TEXT    NOT NULL,
+    routing_key  TEXT    NOT NULL,
+    payload      BLOB    NOT NULL,
+    headers      BLOB,
+    origin       TEXT    NOT NULL,
+    ordering_key TEXT,
+    ordering_seq INTEGER,
+    state        INTEGER NOT NULL,
+    attempts     INTEGER NOT NULL,
+    created_at   INTEGER NOT NULL,
+    due_at       INTEGER NOT NULL,
+    sent_at      INTEGER,
+    last_error   TEXT
+)"
+                    ),
+                    format!(
+                        "CREATE INDEX IF NOT EXISTS {} ON {outbox} (id) WHERE state = 0",
+                        q("outbox_pending")
+                    ),
+                    format!(
+                        "CREATE INDEX IF NOT EXISTS {} ON {outbox} (ordering_key, ordering_seq) \
+                         WHERE state <> 1 AND ordering_key IS NOT NULL",
+                        q("outbox_key_seq")
+                    ),
+                    format!(
+                        "CREATE INDEX IF NOT EXISTS {} ON {outbox} (sent_at) WHERE state = 1",
+                        q("outbox_sent")
+                    ),
+                    format!(
+                        "CREATE TABLE IF NOT EXISTS {keys} (
+    ordering_key TEXT    NOT NULL PRIMARY KEY,
+    last_seq     INTEGER NOT NULL,
+    updated_at   INTEGER NOT NULL
+) WITHOUT ROWID"
+                    ),
+                    format!(
+                        "CREATE INDEX IF NOT EXISTS {} ON {keys} (updated_at)",
+                        q("outbox_keys_at")
+                    ),
+                ]
+            }
             _ => Vec::new(),
         }
     }

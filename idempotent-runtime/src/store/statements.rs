@@ -2,6 +2,7 @@
 
 use std::sync::Arc;
 
+use super::outbox::{OutboxDialect, OutboxStatements};
 use crate::table::TableName;
 
 /// A row of the calls table: `(fence, lease_until, completed, result, now)`, times in milliseconds
@@ -61,6 +62,8 @@ pub struct Dialect {
     pub(crate) upsert_horizon: &'static str,
     /// `DELETE … ORDER BY … LIMIT` is allowed (MySQL), rather than a subquery on the key.
     pub(crate) delete_limit: bool,
+    /// What the outbox's statements need besides (see [`OutboxDialect`]).
+    pub(crate) outbox: OutboxDialect,
 }
 
 /// The SQL an inbox runs, built once from its validated table name.
@@ -113,23 +116,25 @@ pub struct Statements {
     /// transaction run in a transaction of their own: outside a transaction the pooler may send a
     /// statement's parse and its execution to two different sessions.
     pub(crate) pooled: bool,
+    /// The outbox's statements (`<table>_outbox`).
+    pub(crate) outbox: OutboxStatements,
 }
 
 /// Numbers placeholders as the dialect wants them.
-struct Params {
+pub(super) struct Params {
     question_marks: bool,
     next: usize,
 }
 
 impl Params {
-    fn new(dialect: &Dialect) -> Self {
+    pub(super) fn new(dialect: &Dialect) -> Self {
         Self {
             question_marks: dialect.question_marks,
             next: 0,
         }
     }
 
-    fn next(&mut self) -> String {
+    pub(super) fn next(&mut self) -> String {
         self.next += 1;
         if self.question_marks {
             "?".to_owned()
@@ -368,13 +373,18 @@ impl Statements {
             schema_version: schema_version.into(),
             call_release: call_release.into(),
             pooled: false,
+            outbox: OutboxStatements::new(&dialect, table),
         }
     }
 
     /// These statements, sent as behind a pooler in transaction mode or not (see
     /// [`pooled`](Self::pooled)).
     pub(crate) fn with_pooling(self, pooled: bool) -> Self {
-        Self { pooled, ..self }
+        Self {
+            pooled,
+            outbox: self.outbox.clone().with_pooling(pooled),
+            ..self
+        }
     }
 
     /// `template` with `{t}` replaced by the quoted table name.

@@ -1,0 +1,204 @@
+//! What operators do with an outbox: count what it holds, look at parked messages (and any
+//! message by its id), and send a parked message again once the cause is fixed. Each is one
+//! statement outside any handler's transaction; the CLI's `outbox` commands call these.
+
+use std::time::SystemTime;
+
+use super::message::Destination;
+use crate::clock::from_ms;
+use crate::error::{InboxError, Stage};
+use crate::inbox::Inbox;
+use crate::session::Session;
+use crate::store::{Backend, PARKED, PENDING, SENT, ShownRow, database_error};
+
+/// Where an outgoing message stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum OutboxState {
+    /// Committed, not yet confirmed by the broker: a relay will publish it.
+    Pending,
+    /// Published, and confirmed by the broker; kept for the outbox's retention, then purged.
+    Sent,
+    /// Refused by the broker on every attempt: left for a person, who can
+    /// [retry](Inbox::retry_parked) it. Not purged.
+    Parked,
+}
+
+impl OutboxState {
+    fn of(stored: i64) -> Self {
+        match stored {
+            PENDING => OutboxState::Pending,
+            SENT => OutboxState::Sent,
+            _ => OutboxState::Parked,
+        }
+    }
+
+    /// The state's name: `pending`, `sent` or `parked`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OutboxState::Pending => "pending",
+            OutboxState::Sent => "sent",
+            OutboxState::Parked => "parked",
+        }
+    }
+}
+
+/// An outgoing message as the outbox holds it (without its payload).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct OutboxRecord {
+    /// Its row's number: what [`Inbox::retry_parked`] and the CLI take.
+    pub row: i64,
+    /// Its message id.
+    pub message_id: String,
+    /// Where it goes.
+    pub destination: Destination,
+    /// The consumer whose handler queued it, or the origin given to
+    /// [`Outbox::new`](super::Outbox::new).
+    pub origin: String,
+    /// Its ordering key, if any.
+    pub ordering_key: Option<String>,
+    /// Where it stands.
+    pub state: OutboxState,
+    /// How many times the broker refused it.
+    pub attempts: u32,
+    /// When it was written (the database's clock).
+    pub created_at: SystemTime,
+    /// When a relay marked it sent.
+    pub sent_at: Option<SystemTime>,
+    /// Why the broker refused it last.
+    pub last_error: Option<String>,
+    /// The size of its payload, in bytes.
+    pub payload_len: u64,
+}
+
+impl OutboxRecord {
+    fn of(shown: ShownRow) -> Self {
+        let (row, message_id, exchange, routing_key, origin, ordering_key, state, attempts) = (
+            shown.0, shown.1, shown.2, shown.3, shown.4, shown.5, shown.6, shown.7,
+        );
+        let (created_at, sent_at, last_error, payload_len) =
+            (from_ms(shown.8), shown.9, shown.10, shown.11);
+        Self {
+            row,
+            message_id,
+            destination: Destination::exchange(exchange, routing_key),
+            origin,
+            ordering_key,
+            state: OutboxState::of(state),
+            attempts: u32::try_from(attempts).unwrap_or(u32::MAX),
+            created_at,
+            sent_at: sent_at.map(from_ms),
+            last_error,
+            payload_len: payload_len.max(0) as u64,
+        }
+    }
+}
+
+/// What an outbox holds: see [`Inbox::outbox_stats`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct OutboxStats {
+    /// Messages committed and not yet sent.
+    pub pending: u64,
+    /// When the oldest of them was written.
+    pub oldest_pending: Option<SystemTime>,
+    /// Messages sent and still kept (for the outbox's retention).
+    pub sent: u64,
+    /// Messages parked.
+    pub parked: u64,
+}
+
+impl<DB: Backend> Inbox<DB> {
+    /// Counts the outbox's messages by state (reads the whole table: an operator's command).
+    pub async fn outbox_stats(&self) -> Result<OutboxStats, InboxError> {
+        let mut session = self.inspecting().await?;
+        let counts = DB::outbox_counts(session.start_step(), &self.config.statements.outbox)
+            .await
+            .map_err(database_error(Stage::Inspect))?;
+        session.end_step();
+        let mut stats = OutboxStats::default();
+        for (state, rows, oldest) in counts {
+            let rows = rows.max(0) as u64;
+            match state {
+                PENDING => {
+                    stats.pending = rows;
+                    stats.oldest_pending = oldest.map(from_ms);
+                }
+                SENT => stats.sent = rows,
+                PARKED => stats.parked = rows,
+                _ => {}
+            }
+        }
+        Ok(stats)
+    }
+
+    /// The parked messages after row `after` (`None`: from the first), at most `limit`, in the
+    /// order they were written.
+    pub async fn parked_messages(
+        &self,
+        after: Option<i64>,
+        limit: usize,
+    ) -> Result<Vec<OutboxRecord>, InboxError> {
+        let mut session = self.inspecting().await?;
+        let limit = i64::try_from(limit.max(1)).unwrap_or(i64::MAX);
+        let rows = DB::outbox_parked(
+            session.start_step(),
+            &self.config.statements.outbox,
+            after.unwrap_or(0),
+            limit,
+        )
+        .await
+        .map_err(database_error(Stage::Inspect))?;
+        session.end_step();
+        Ok(rows.into_iter().map(OutboxRecord::of).collect())
+    }
+
+    /// The outbox's rows of the message `message_id` (usually one; a message queued again
+    /// outside a handler with the same id has more), in the order they were written.
+    pub async fn outbox_messages(&self, message_id: &str) -> Result<Vec<OutboxRecord>, InboxError> {
+        let mut session = self.inspecting().await?;
+        let rows = DB::outbox_rows_of(
+            session.start_step(),
+            &self.config.statements.outbox,
+            message_id,
+        )
+        .await
+        .map_err(database_error(Stage::Inspect))?;
+        session.end_step();
+        Ok(rows.into_iter().map(OutboxRecord::of).collect())
+    }
+
+    /// The outbox's row `row`, if it is there.
+    pub async fn outbox_message(&self, row: i64) -> Result<Option<OutboxRecord>, InboxError> {
+        let mut session = self.inspecting().await?;
+        let found = DB::outbox_row(session.start_step(), &self.config.statements.outbox, row)
+            .await
+            .map_err(database_error(Stage::Inspect))?;
+        session.end_step();
+        Ok(found.map(OutboxRecord::of))
+    }
+
+    /// Makes the parked message of row `row` pending again, due now, with its attempts counted
+    /// from zero: the next relay batch publishes it. `false` when no parked message has that row.
+    /// A message with an ordering key is then published after later messages of its key that
+    /// went out while it was parked.
+    pub async fn retry_parked(&self, row: i64) -> Result<bool, InboxError> {
+        let mut session = self.inspecting().await?;
+        let retried = DB::outbox_retry(session.start_step(), &self.config.statements.outbox, row)
+            .await
+            .map_err(database_error(Stage::Inspect))?;
+        session.end_step();
+        if retried {
+            tracing::info!(table = %self.table(), row, "a parked outgoing message is pending again");
+        }
+        Ok(retried)
+    }
+
+    /// A connection for an operator's statement.
+    async fn inspecting(&self) -> Result<Session<DB>, InboxError> {
+        Session::take(self.source())
+            .await
+            .map_err(database_error(Stage::Inspect))
+    }
+}

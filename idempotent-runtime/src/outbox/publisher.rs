@@ -1,0 +1,87 @@
+//! What a relay hands a broker: the [`Publisher`] trait, the [`Publication`] it publishes, and how
+//! a publication fails. A leaf: the broker's publishers (`broker/rabbitmq/publisher.rs`,
+//! `broker/nats/publisher.rs`) implement it, and the relay calls it.
+
+use std::future::Future;
+
+use super::message::Destination;
+
+/// One outgoing message as a relay hands it to a [`Publisher`]: a row of the outbox.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Publication {
+    /// The message's id: publish it as the broker's message id (AMQP `message_id`, NATS
+    /// `Nats-Msg-Id`), so that the downstream consumer's inbox keys on it. The same on every
+    /// publication of this message.
+    pub message_id: String,
+    /// Where it goes.
+    pub destination: Destination,
+    /// Its payload.
+    pub payload: Vec<u8>,
+    /// Its headers, in the order they were added.
+    pub headers: Vec<(String, String)>,
+    /// Its ordering key, if it has one (the relay has already made sure that no other message of
+    /// this key is in flight).
+    pub ordering_key: Option<String>,
+    /// Which attempt this is, from 1: the broker refused it `attempt - 1` times before.
+    pub attempt: u32,
+}
+
+/// Why a publication failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PublishError {
+    /// The broker refused this message (RabbitMQ returned it as unroutable; no JetStream stream
+    /// captures its subject; it is too large): the message's own trouble. The relay counts it as
+    /// an attempt, tries it again after a back-off, and parks it after the last attempt.
+    #[error("the broker refused the message: {reason}")]
+    Rejected {
+        /// What the broker said, for a person to read.
+        reason: String,
+    },
+    /// The broker could not be reached, or did not confirm in time, or refused for now (a full
+    /// queue, a negative acknowledgement): not the message's trouble. The relay leaves the row as
+    /// it was, without counting an attempt, and backs off before its next batch.
+    #[error("the broker is unavailable")]
+    Unavailable(#[source] Box<dyn std::error::Error + Send + Sync>),
+}
+
+impl PublishError {
+    /// [`PublishError::Unavailable`] for `error`.
+    pub fn unavailable(error: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
+        PublishError::Unavailable(error.into())
+    }
+
+    /// [`PublishError::Rejected`] with `reason`.
+    pub fn rejected(reason: impl Into<String>) -> Self {
+        PublishError::Rejected {
+            reason: reason.into(),
+        }
+    }
+}
+
+/// Publishes outgoing messages to a broker, and says when the broker has them: a relay marks a row
+/// sent only once [`publish`](Publisher::publish) returned `Ok`, so `Ok` must mean the broker
+/// confirmed the message (RabbitMQ's publisher confirm of a persistent message, JetStream's
+/// publish acknowledgement), not that it was written to a socket.
+///
+/// The implementations are `broker::rabbitmq::OutboxPublisher` and
+/// `broker::nats::OutboxPublisher` (features `rabbitmq` and `nats`); implement it for another
+/// broker (Kafka: produce with `acks=all` and wait for the delivery report, the message id in a
+/// header). A relay calls it concurrently for the messages of one batch.
+pub trait Publisher: Send + Sync + 'static {
+    /// Publishes `publication` and waits for the broker's confirmation.
+    fn publish(
+        &self,
+        publication: &Publication,
+    ) -> impl Future<Output = Result<(), PublishError>> + Send;
+}
+
+impl<P: Publisher> Publisher for std::sync::Arc<P> {
+    fn publish(
+        &self,
+        publication: &Publication,
+    ) -> impl Future<Output = Result<(), PublishError>> + Send {
+        (**self).publish(publication)
+    }
+}

@@ -1,0 +1,576 @@
+//! The relay: takes committed outgoing messages from the outbox table, publishes them through a
+//! [`Publisher`], and marks them sent once the broker confirmed them.
+//!
+//! One batch is one transaction: the relay takes up to `batch_size` due rows that no other relay
+//! holds (PostgreSQL, MySQL and MariaDB: `SELECT … FOR UPDATE SKIP LOCKED`; SQLite: the batch's
+//! `BEGIN IMMEDIATE` holds the database's one write lock), publishes them concurrently, waits for
+//! every confirmation, marks the confirmed rows sent and records the failures, and commits. A relay
+//! that dies anywhere in between (after the broker's confirmation too) leaves its rows pending, and
+//! the next batch publishes them again: at least once, never marked sent unconfirmed.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use tokio::sync::{Notify, watch};
+use tokio::task::JoinHandle;
+
+use super::message::{Destination, decode_headers};
+use super::publisher::{Publication, PublishError, Publisher};
+use crate::clock::millis;
+use crate::error::{InboxError, Stage};
+use crate::inbox::{Inbox, commit};
+use crate::metrics::OutboxMetrics;
+use crate::session::Session;
+use crate::store::{Backend, Failure, PARKED, PENDING, database_error};
+use crate::transaction::{BeginError, InboxTransaction};
+
+/// How a relay works; see [`Inbox::spawn_relay`].
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct RelayOptions {
+    /// The most rows one batch (one transaction) takes (default 100).
+    pub batch_size: usize,
+    /// Attempts a message gets before it is parked, counting only the broker's refusals
+    /// ([`PublishError::Rejected`]; default 10).
+    pub max_attempts: u32,
+    /// The delay before a refused message's second attempt (default 1 s); each later one doubles,
+    /// up to `max_retry_delay`.
+    pub first_retry_delay: Duration,
+    /// The longest delay between two attempts of a refused message (default 5 minutes).
+    pub max_retry_delay: Duration,
+    /// How soon an idle relay looks again (default 10 ms); each empty look doubles the wait, up to
+    /// `max_poll_interval`, and work found brings it back here.
+    pub min_poll_interval: Duration,
+    /// The longest wait of an idle relay between two looks (default 1 s). With `LISTEN` it is the
+    /// fallback that finds what a lost notification did not announce.
+    pub max_poll_interval: Duration,
+    /// How long the relay waits for the broker to confirm one message (default 10 s): an
+    /// unconfirmed message stays pending and is published again later.
+    pub publish_timeout: Duration,
+    /// Batches run at once, each on a connection of its own (default 1).
+    pub workers: usize,
+    /// On PostgreSQL, wake up when a transaction that wrote outgoing messages commits (`LISTEN`;
+    /// default on), rather than only poll. The other databases only poll, and so does an inbox
+    /// [`with_transaction_pooling`](crate::Inbox::with_transaction_pooling): a pooler in
+    /// transaction mode hands the listening session to other clients between transactions.
+    pub listen: bool,
+    /// How often the relay counts the backlog for the metrics (default 5 s).
+    pub backlog_every: Duration,
+}
+
+impl Default for RelayOptions {
+    fn default() -> Self {
+        Self {
+            batch_size: 100,
+            max_attempts: 10,
+            first_retry_delay: Duration::from_secs(1),
+            max_retry_delay: Duration::from_secs(300),
+            min_poll_interval: Duration::from_millis(10),
+            max_poll_interval: Duration::from_secs(1),
+            publish_timeout: Duration::from_secs(10),
+            workers: 1,
+            listen: true,
+            backlog_every: Duration::from_secs(5),
+        }
+    }
+}
+
+impl RelayOptions {
+    /// These options with batches of at most `batch_size` rows.
+    pub fn batch_size(self, batch_size: usize) -> Self {
+        Self {
+            batch_size: batch_size.max(1),
+            ..self
+        }
+    }
+
+    /// These options with `workers` batches at once.
+    pub fn workers(self, workers: usize) -> Self {
+        Self {
+            workers: workers.max(1),
+            ..self
+        }
+    }
+
+    /// These options parking a message after `max_attempts` refusals, the second attempt
+    /// `first_retry_delay` after the first.
+    pub fn attempts(self, max_attempts: u32, first_retry_delay: Duration) -> Self {
+        Self {
+            max_attempts: max_attempts.max(1),
+            first_retry_delay,
+            ..self
+        }
+    }
+
+    /// These options polling between `min` and `max` when idle.
+    pub fn poll_interval(self, min: Duration, max: Duration) -> Self {
+        Self {
+            min_poll_interval: min,
+            max_poll_interval: max.max(min),
+            ..self
+        }
+    }
+
+    /// These options with (or without) PostgreSQL's `LISTEN`.
+    pub fn listen(self, listen: bool) -> Self {
+        Self { listen, ..self }
+    }
+
+    /// These options waiting at most `timeout` for each confirmation.
+    pub fn publish_timeout(self, timeout: Duration) -> Self {
+        Self {
+            publish_timeout: timeout,
+            ..self
+        }
+    }
+
+    /// The delay after a message's `attempt`-th refusal.
+    fn retry_delay(&self, attempt: u32) -> Duration {
+        let factor = 2f64.powi(attempt.saturating_sub(1).min(30) as i32);
+        self.first_retry_delay
+            .mul_f64(factor)
+            .min(self.max_retry_delay)
+    }
+}
+
+/// What one batch did: see [`Inbox::relay_once`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RelayReport {
+    /// Rows the batch took.
+    pub taken: usize,
+    /// Rows the broker confirmed and the batch marked sent.
+    pub published: usize,
+    /// Rows the broker refused, to be tried again after a back-off.
+    pub rejected: usize,
+    /// Rows the broker refused for the last time: parked.
+    pub parked: usize,
+    /// Rows the broker did not confirm (unreachable, no answer in time): left pending.
+    pub unavailable: usize,
+}
+
+/// What a relay counted since it started: see [`Relay::stats`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RelayStats {
+    /// Batches committed.
+    pub batches: u64,
+    /// Messages published and marked sent.
+    pub published: u64,
+    /// Failed publications to be tried again (refused, or not confirmed).
+    pub retried: u64,
+    /// Messages parked.
+    pub parked: u64,
+    /// Batches that failed on the database (rolled back, tried again after a pause).
+    pub failed_batches: u64,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    batches: AtomicU64,
+    published: AtomicU64,
+    retried: AtomicU64,
+    parked: AtomicU64,
+    failed_batches: AtomicU64,
+}
+
+impl Counters {
+    fn count(&self, report: &RelayReport) {
+        let add = |counter: &AtomicU64, n: usize| counter.fetch_add(n as u64, Ordering::Relaxed);
+        add(&self.batches, 1);
+        add(&self.published, report.published);
+        add(&self.retried, report.rejected + report.unavailable);
+        add(&self.parked, report.parked);
+    }
+
+    fn snapshot(&self) -> RelayStats {
+        let get = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
+        RelayStats {
+            batches: get(&self.batches),
+            published: get(&self.published),
+            retried: get(&self.retried),
+            parked: get(&self.parked),
+            failed_batches: get(&self.failed_batches),
+        }
+    }
+}
+
+/// A running relay: its workers publish until it is [shut down](Relay::shutdown), stopped or
+/// dropped.
+#[derive(Debug)]
+#[must_use = "the relay stops when dropped: keep it for as long as it should run, or detach it"]
+pub struct Relay {
+    stop: watch::Sender<bool>,
+    workers: Vec<JoinHandle<()>>,
+    listener: Option<JoinHandle<()>>,
+    counters: Arc<Counters>,
+}
+
+impl Relay {
+    /// What it counted so far.
+    pub fn stats(&self) -> RelayStats {
+        self.counters.snapshot()
+    }
+
+    /// Stops taking batches, lets the batches in flight finish (their confirmed rows are marked
+    /// sent), and returns what the relay counted.
+    pub async fn shutdown(mut self) -> RelayStats {
+        let _ = self.stop.send(true);
+        for worker in std::mem::take(&mut self.workers) {
+            let _ = worker.await;
+        }
+        self.counters.snapshot()
+    }
+
+    /// Stops at once: a batch in flight is rolled back (its connection closed), and its rows are
+    /// published again by the next relay, even those the broker had confirmed.
+    pub fn stop(self) {
+        drop(self);
+    }
+
+    /// Lets the relay run until the runtime shuts down, with nothing left to stop it.
+    pub fn detach(self) {
+        std::mem::forget(self);
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        for worker in &self.workers {
+            worker.abort();
+        }
+        if let Some(listener) = &self.listener {
+            listener.abort();
+        }
+    }
+}
+
+/// Starts a relay of `inbox`'s outbox; see [`Inbox::spawn_relay`].
+pub(crate) fn spawn<DB: Backend, P: Publisher>(
+    inbox: &Inbox<DB>,
+    publisher: P,
+    options: RelayOptions,
+) -> Relay {
+    let publisher = Arc::new(publisher);
+    let options = Arc::new(options);
+    let counters = Arc::<Counters>::default();
+    let (stop, stopped) = watch::channel(false);
+    let wakes: Vec<Arc<Notify>> = (0..options.workers.max(1))
+        .map(|_| Arc::new(Notify::new()))
+        .collect();
+    let listener = if options.listen && !inbox.config.statements.outbox.pooled {
+        let wakes = wakes.clone();
+        let wake: Arc<dyn Fn() + Send + Sync> = Arc::new(move || {
+            for wake in &wakes {
+                wake.notify_one();
+            }
+        });
+        DB::listen_outbox(inbox.pool(), &inbox.config.statements.outbox.channel, wake)
+    } else {
+        None
+    };
+    let workers = wakes
+        .into_iter()
+        .enumerate()
+        .map(|(index, wake)| {
+            let worker = Worker {
+                // Not a worker's inbox: a connection kept between batches would be missed by the
+                // program on a small pool (an in-memory SQLite database has one), and the pool's
+                // check of a connection costs a batch next to nothing.
+                inbox: inbox.clone(),
+                publisher: publisher.clone(),
+                options: options.clone(),
+                counters: counters.clone(),
+                metrics: OutboxMetrics::new(inbox.table().as_str()),
+                wake,
+                stopped: stopped.clone(),
+                samples_backlog: index == 0,
+            };
+            tokio::spawn(worker.run())
+        })
+        .collect();
+    Relay {
+        stop,
+        workers,
+        listener,
+        counters,
+    }
+}
+
+struct Worker<DB: Backend, P> {
+    inbox: Inbox<DB>,
+    publisher: Arc<P>,
+    options: Arc<RelayOptions>,
+    counters: Arc<Counters>,
+    metrics: OutboxMetrics,
+    wake: Arc<Notify>,
+    stopped: watch::Receiver<bool>,
+    samples_backlog: bool,
+}
+
+impl<DB: Backend, P: Publisher> Worker<DB, P> {
+    async fn run(mut self) {
+        let options = self.options.clone();
+        let mut idle = options.min_poll_interval;
+        let mut trouble = Duration::ZERO;
+        let mut sampled: Option<Instant> = None;
+        while !*self.stopped.borrow() {
+            if self.samples_backlog
+                && sampled.is_none_or(|at| at.elapsed() >= options.backlog_every)
+            {
+                sampled = Some(Instant::now());
+                self.sample_backlog().await;
+            }
+            let batch = batch(&self.inbox, &*self.publisher, &options, &self.metrics).await;
+            let wait = match batch {
+                Ok(report) => {
+                    self.counters.count(&report);
+                    if report.unavailable > 0 {
+                        // The broker is in trouble: back off, as after a database failure.
+                        trouble = next_pause(trouble);
+                        trouble
+                    } else {
+                        trouble = Duration::ZERO;
+                        if report.taken >= options.batch_size {
+                            idle = options.min_poll_interval;
+                            continue;
+                        }
+                        let wait = if report.taken > 0 {
+                            options.min_poll_interval
+                        } else {
+                            idle
+                        };
+                        idle = if report.taken > 0 {
+                            options.min_poll_interval
+                        } else {
+                            (idle * 2).min(options.max_poll_interval)
+                        };
+                        wait
+                    }
+                }
+                Err(error) => {
+                    self.counters.failed_batches.fetch_add(1, Ordering::Relaxed);
+                    trouble = next_pause(trouble);
+                    tracing::warn!(table = %self.inbox.table(), %error, pause = ?trouble, "an outbox batch failed; trying again");
+                    trouble
+                }
+            };
+            tokio::select! {
+                () = self.wake.notified(), if trouble.is_zero() => {}
+                () = tokio::time::sleep(wait) => {}
+                _ = self.stopped.changed() => {}
+            }
+        }
+    }
+
+    /// Counts the backlog for the metrics; a failure is only logged.
+    async fn sample_backlog(&self) {
+        match backlog(&self.inbox).await {
+            Ok((rows, oldest)) => self.metrics.backlog(rows, oldest),
+            Err(error) => tracing::debug!(%error, "could not count the outbox's backlog"),
+        }
+    }
+}
+
+/// The pause after `last` (zero: none yet) when something keeps failing: 100 ms, doubling, at most
+/// 10 s.
+fn next_pause(last: Duration) -> Duration {
+    if last.is_zero() {
+        Duration::from_millis(100)
+    } else {
+        (last * 2).min(Duration::from_secs(10))
+    }
+}
+
+/// `(pending rows, age of the oldest)`.
+pub(crate) async fn backlog<DB: Backend>(inbox: &Inbox<DB>) -> Result<(u64, Duration), InboxError> {
+    let failed = || database_error(Stage::Relay);
+    let mut session = Session::take(inbox.source()).await.map_err(failed())?;
+    let (rows, oldest, now) =
+        DB::outbox_backlog(session.start_step(), &inbox.config.statements.outbox)
+            .await
+            .map_err(failed())?;
+    session.end_step();
+    let age = oldest.map_or(0, |oldest| now.saturating_sub(oldest).max(0));
+    Ok((rows.max(0) as u64, Duration::from_millis(age as u64)))
+}
+
+/// One batch; see the module docs.
+pub(crate) async fn batch<DB: Backend, P: Publisher>(
+    inbox: &Inbox<DB>,
+    publisher: &P,
+    options: &RelayOptions,
+    metrics: &OutboxMetrics,
+) -> Result<RelayReport, InboxError> {
+    let span = tracing::info_span!(
+        "outbox_batch",
+        table = %inbox.table(),
+        taken = tracing::field::Empty,
+        published = tracing::field::Empty,
+        rejected = tracing::field::Empty,
+        parked = tracing::field::Empty,
+        unavailable = tracing::field::Empty,
+    );
+    let report = tracing::Instrument::instrument(
+        run_batch(inbox, publisher, options, metrics),
+        span.clone(),
+    )
+    .await?;
+    if report.taken > 0 {
+        span.record("taken", report.taken);
+        span.record("published", report.published);
+        span.record("rejected", report.rejected);
+        span.record("parked", report.parked);
+        span.record("unavailable", report.unavailable);
+        tracing::debug!(parent: &span, ?report, "outbox batch committed");
+    }
+    Ok(report)
+}
+
+async fn run_batch<DB: Backend, P: Publisher>(
+    inbox: &Inbox<DB>,
+    publisher: &P,
+    options: &RelayOptions,
+    metrics: &OutboxMetrics,
+) -> Result<RelayReport, InboxError> {
+    let statements = &inbox.config.statements.outbox;
+    let failed = || database_error(Stage::Relay);
+    let mut tx = InboxTransaction::begin(inbox.resources())
+        .await
+        .map_err(|error| match error {
+            BeginError::Acquire(error) | BeginError::Begin(error) => failed()(error),
+        })?;
+    let rows = match DB::outbox_take(tx.connection(), statements, options.batch_size).await {
+        Ok(rows) => rows,
+        Err(error) => {
+            let _ = tx.rollback().await;
+            return Err(failed()(error));
+        }
+    };
+    if rows.is_empty() {
+        tx.rollback().await.map_err(failed())?;
+        return Ok(RelayReport::default());
+    }
+    let taken_at = Instant::now();
+    let publications: Vec<Publication> = rows
+        .iter()
+        .map(|row| Publication {
+            message_id: row.1.clone(),
+            destination: Destination::exchange(row.2.clone(), row.3.clone()),
+            payload: row.4.clone(),
+            headers: decode_headers(row.5.as_deref()),
+            ordering_key: row.8.clone(),
+            attempt: u32::try_from(row.6).unwrap_or(u32::MAX).saturating_add(1),
+        })
+        .collect();
+    let outcomes =
+        futures_util::future::join_all(publications.iter().map(|publication| async move {
+            match tokio::time::timeout(options.publish_timeout, publisher.publish(publication))
+                .await
+            {
+                Ok(outcome) => outcome,
+                Err(_) => Err(PublishError::unavailable(format!(
+                    "no confirmation within {:?}",
+                    options.publish_timeout
+                ))),
+            }
+        }))
+        .await;
+
+    let mut report = RelayReport {
+        taken: rows.len(),
+        ..RelayReport::default()
+    };
+    let mut sent = Vec::new();
+    let mut unconfirmed = Vec::new();
+    let mut delays = Vec::new();
+    let conn = tx.connection();
+    for (row, outcome) in rows.iter().zip(&outcomes) {
+        match outcome {
+            Ok(()) => {
+                sent.push(row.0);
+                let queued_ms = row.9.saturating_sub(row.7).max(0) as u64;
+                delays.push(Duration::from_millis(queued_ms) + taken_at.elapsed());
+            }
+            Err(PublishError::Rejected { reason }) => {
+                let attempts = row.6.saturating_add(1);
+                let park = attempts >= i64::from(options.max_attempts);
+                let attempt = u32::try_from(attempts).unwrap_or(u32::MAX);
+                let error = shorten(reason);
+                let failure = Failure {
+                    id: row.0,
+                    state: if park { PARKED } else { PENDING },
+                    attempts,
+                    delay_ms: millis(options.retry_delay(attempt)),
+                    error: &error,
+                };
+                if park {
+                    report.parked += 1;
+                    tracing::warn!(message_id = %row.1, attempts, %reason, "parked an outgoing message the broker keeps refusing");
+                } else {
+                    report.rejected += 1;
+                    tracing::info!(message_id = %row.1, attempts, %reason, "the broker refused an outgoing message; trying again later");
+                }
+                if let Err(error) = DB::outbox_mark_failed(&mut *conn, statements, failure).await {
+                    let _ = tx.rollback().await;
+                    return Err(failed()(error));
+                }
+            }
+            Err(error @ PublishError::Unavailable(_)) => {
+                report.unavailable += 1;
+                unconfirmed.push(row.0);
+                tracing::debug!(message_id = %row.1, %error, "an outgoing message was not confirmed; trying again later");
+            }
+        }
+    }
+    // The rows were taken marked sent (PostgreSQL, SQLite): set back those not confirmed (the
+    // refused ones were just above). Or taken as they were: mark the confirmed ones.
+    let (ids, sent_state) = if statements.marks_on_take() {
+        (&unconfirmed, false)
+    } else {
+        (&sent, true)
+    };
+    if !ids.is_empty()
+        && let Err(error) = DB::outbox_set_sent(&mut *conn, statements, ids, sent_state).await
+    {
+        let _ = tx.rollback().await;
+        return Err(failed()(error));
+    }
+    // A failed commit leaves every row pending: published again by the next batch.
+    commit(tx, None).await.map_err(|error| match error {
+        InboxError::Database { source, .. } => failed()(source),
+        other => other,
+    })?;
+    report.published = sent.len();
+    metrics.published(&delays);
+    metrics.retried(true, report.rejected as u64);
+    metrics.retried(false, report.unavailable as u64);
+    metrics.parked(report.parked as u64);
+    Ok(report)
+}
+
+/// At most a thousand bytes of `text`.
+fn shorten(text: &str) -> String {
+    if text.len() <= 1000 {
+        return text.to_owned();
+    }
+    let mut end = 1000;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &text[..end])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retry_delays_double_up_to_the_longest() {
+        let options = RelayOptions::default().attempts(5, Duration::from_secs(1));
+        let delays: Vec<u64> = (1..=4).map(|n| options.retry_delay(n).as_secs()).collect();
+        assert_eq!(delays, [1, 2, 4, 8]);
+        assert_eq!(options.retry_delay(40), Duration::from_secs(300));
+    }
+}

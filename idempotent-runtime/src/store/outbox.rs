@@ -1,0 +1,775 @@
+//! The outbox's SQL: the rows a handler's transaction writes to `<table>_outbox`, the statements
+//! relays take them with and mark them by, and what operators read. Built once from the dialect,
+//! as the inbox's own statements are (`statements.rs`), and run by one generic implementation
+//! ([`OutboxQueries`]).
+//!
+//! A row is `pending` (state 0) until a relay saw the broker confirm it, then `sent` (1), or
+//! `parked` (2) after the broker refused it too often. A message with an ordering key also gets
+//! the key's next number (`ordering_seq`) from `<table>_outbox_keys`, whose row for the key the
+//! writing transaction holds locked until it ends: two transactions writing messages of one key
+//! take turns, so the numbers follow their commits.
+
+use std::future::Future;
+use std::sync::Arc;
+
+use sqlx::{AssertSqlSafe, Database, Decode, Encode, Executor, Type};
+
+use super::private::Store;
+use super::queries::{RowsAffected, alone};
+use super::statements::{Bind, Dialect, Params, PurgeSql};
+use crate::table::TableName;
+
+/// What the outbox's statements need that the inbox's do not.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct OutboxDialect {
+    /// What ends a relay's read of the rows it takes, so that other relays skip them: `FOR
+    /// UPDATE SKIP LOCKED` (PostgreSQL, MySQL 8, MariaDB 10.6+), or nothing (SQLite, where the
+    /// relay's transaction holds the database's one write lock).
+    pub(crate) skip_locked: &'static str,
+    /// What ends `INSERT INTO <keys> (ordering_key, last_seq, updated_at) VALUES (…)` so that a
+    /// key already there counts one up instead; `{k}` is the quoted keys table, `{now}` the clock.
+    pub(crate) next_seq: &'static str,
+    /// The statement that wakes the relays listening on channel `{c}` when the transaction
+    /// commits (PostgreSQL's `NOTIFY`), if the database has one.
+    pub(crate) notify: Option<&'static str>,
+    /// A relay takes its rows with `UPDATE … RETURNING`, marking them sent in the statement that
+    /// locks them (PostgreSQL, SQLite: one write per row); failures are set back before the
+    /// commit. Otherwise (MySQL, MariaDB: no `UPDATE … RETURNING`) it locks them with a `SELECT`
+    /// and marks the confirmed ones afterwards.
+    pub(crate) mark_on_take: bool,
+}
+
+/// A row a relay took: `(id, message_id, exchange, routing_key, payload, headers, attempts,
+/// created_at, ordering_key, now)`, times in milliseconds of the database's clock.
+pub(crate) type TakenRow = (
+    i64,
+    String,
+    String,
+    String,
+    Vec<u8>,
+    Option<Vec<u8>>,
+    i64,
+    i64,
+    Option<String>,
+    i64,
+);
+
+/// A row as operators see it: `(id, message_id, exchange, routing_key, origin, ordering_key,
+/// state, attempts, created_at, sent_at, last_error, payload length)`.
+pub(crate) type ShownRow = (
+    i64,
+    String,
+    String,
+    String,
+    String,
+    Option<String>,
+    i64,
+    i64,
+    i64,
+    Option<i64>,
+    Option<String>,
+    i64,
+);
+
+/// Per state: `(state, rows, oldest created_at)`.
+pub(crate) type StateCount = (i64, i64, Option<i64>);
+
+/// One outgoing message as a handler's transaction writes it.
+#[derive(Debug, Clone, Copy)]
+pub struct NewRow<'a> {
+    pub(crate) message_id: &'a str,
+    pub(crate) exchange: &'a str,
+    pub(crate) routing_key: &'a str,
+    pub(crate) payload: &'a [u8],
+    pub(crate) headers: Option<&'a [u8]>,
+    pub(crate) origin: &'a str,
+    pub(crate) ordering_key: Option<&'a str>,
+}
+
+/// A row's states, as stored.
+pub(crate) const PENDING: i64 = 0;
+pub(crate) const SENT: i64 = 1;
+pub(crate) const PARKED: i64 = 2;
+
+/// The outbox's statements, built once from the dialect and the inbox's table name.
+#[derive(Debug, Clone)]
+pub struct OutboxStatements {
+    dialect: Dialect,
+    table: String,
+    /// The relays' columns of a row, with the clock last.
+    taken: String,
+    insert: Arc<str>,
+    next_seq: Arc<str>,
+    insert_keyed: Arc<str>,
+    notify: Option<Arc<str>>,
+    /// Writers send [`notify`](Self::notify) (unless turned off: relays that only poll).
+    notifies: bool,
+    take_unkeyed: Arc<str>,
+    heads: Arc<str>,
+    mark_failed: Arc<str>,
+    backlog: Arc<str>,
+    counts: Arc<str>,
+    parked: Arc<str>,
+    row: Arc<str>,
+    by_message_id: Arc<str>,
+    retry: Arc<str>,
+    /// Deletes a batch of sent rows older than the cutoff.
+    pub(crate) purge_sent: PurgeSql,
+    /// Deletes a batch of ordering keys untouched since the cutoff that have no unsent row.
+    pub(crate) purge_keys: PurgeSql,
+    /// The `LISTEN` channel of this table's outbox: `<table>_outbox`.
+    pub(crate) channel: String,
+    /// Sent as behind a pooler in transaction mode: see [`Statements::pooled`].
+    ///
+    /// [`Statements::pooled`]: super::Statements::pooled
+    pub(crate) pooled: bool,
+}
+
+impl OutboxStatements {
+    pub(crate) fn new(dialect: &Dialect, table: &TableName) -> Self {
+        let q = dialect.quote;
+        let o = table.quoted_suffixed("outbox", q);
+        let k = table.quoted_suffixed("outbox_keys", q);
+        let now = dialect.now_ms;
+        let OutboxDialect {
+            next_seq, notify, ..
+        } = dialect.outbox;
+        let p = || Params::new(dialect);
+        let columns = "message_id, exchange, routing_key, payload, headers, origin, \
+                       state, attempts, created_at, due_at";
+        let values = |p: &mut Params| {
+            let binds: Vec<String> = (0..6).map(|_| p.next()).collect();
+            format!("{}, {PENDING}, 0, {now}, {now}", binds.join(", "))
+        };
+        let insert = {
+            let mut p = p();
+            format!("INSERT INTO {o} ({columns}) VALUES ({})", values(&mut p))
+        };
+        let next_seq = {
+            let mut p = p();
+            let key = p.next();
+            format!(
+                "INSERT INTO {k} (ordering_key, last_seq, updated_at) VALUES ({key}, 1, {now}){}",
+                next_seq.replace("{k}", &k).replace("{now}", now)
+            )
+        };
+        let insert_keyed = {
+            let mut p = p();
+            let values = values(&mut p);
+            let key = p.next();
+            format!(
+                "INSERT INTO {o} ({columns}, ordering_key, ordering_seq) \
+                 SELECT {values}, ordering_key, last_seq FROM {k} WHERE ordering_key = {key}"
+            )
+        };
+        let channel = format!("{table}_outbox");
+        let notify = notify.map(|sql| sql.replace("{c}", &channel).into());
+        let taken = format!(
+            "id, message_id, exchange, routing_key, payload, headers, attempts, created_at, \
+             ordering_key, {now}"
+        );
+        let take_unkeyed = Self::take(
+            dialect,
+            &o,
+            &taken,
+            &format!(
+                "state = {PENDING} AND ordering_key IS NULL AND due_at <= {now} \
+                 ORDER BY id LIMIT {}",
+                p().next()
+            ),
+        );
+        let heads = format!(
+            "SELECT ordering_key, MIN(ordering_seq) FROM {o} \
+             WHERE state = {PENDING} AND ordering_key IS NOT NULL \
+             GROUP BY ordering_key ORDER BY MIN(id) LIMIT {}",
+            p().next()
+        );
+        let mark_failed = {
+            let mut p = p();
+            let (state, attempts, delay, error, id) =
+                (p.next(), p.next(), p.next(), p.next(), p.next());
+            format!(
+                "UPDATE {o} SET state = {state}, attempts = {attempts}, due_at = {now} + {delay}, \
+                 last_error = {error} WHERE id = {id}"
+            )
+        };
+        // The oldest pending row by id (its time, nearly the oldest time): one index entry.
+        let backlog = format!(
+            "SELECT COUNT(*), (SELECT created_at FROM {o} WHERE state = {PENDING} ORDER BY id LIMIT 1), \
+             {now} FROM {o} WHERE state = {PENDING}"
+        );
+        let counts = format!("SELECT state, COUNT(*), MIN(created_at) FROM {o} GROUP BY state");
+        let shown = format!(
+            "SELECT id, message_id, exchange, routing_key, origin, ordering_key, state, attempts, \
+             created_at, sent_at, last_error, CAST(LENGTH(payload) AS {}) FROM {o}",
+            dialect.int
+        );
+        let parked = {
+            let mut p = p();
+            let (after, limit) = (p.next(), p.next());
+            format!("{shown} WHERE state = {PARKED} AND id > {after} ORDER BY id LIMIT {limit}")
+        };
+        let row = format!("{shown} WHERE id = {}", p().next());
+        let by_message_id = format!("{shown} WHERE message_id = {} ORDER BY id", p().next());
+        let retry = format!(
+            "UPDATE {o} SET state = {PENDING}, attempts = 0, due_at = {now}, last_error = NULL \
+             WHERE id = {} AND state = {PARKED}",
+            p().next()
+        );
+        let purge_sent = {
+            let mut p = p();
+            let (cutoff, limit) = (p.next(), p.next());
+            let which = format!("state = {SENT} AND sent_at < {cutoff}");
+            PurgeSql {
+                sql: if dialect.delete_limit {
+                    format!("DELETE FROM {o} WHERE {which} ORDER BY sent_at LIMIT {limit}")
+                } else {
+                    format!(
+                        "DELETE FROM {o} WHERE id IN \
+                         (SELECT id FROM {o} WHERE {which} ORDER BY sent_at LIMIT {limit})"
+                    )
+                },
+                binds: vec![Bind::Cutoff, Bind::Limit],
+            }
+        };
+        let purge_keys = {
+            // The cutoff is checked on the deleted row itself, so that a key a writer touched
+            // meanwhile (its transaction held the row) is rechecked against its new time and kept.
+            let unsent = format!(
+                "NOT EXISTS (SELECT 1 FROM {o} WHERE {o}.ordering_key = {k}.ordering_key \
+                 AND {o}.state <> {SENT})"
+            );
+            let mut p = p();
+            let first = p.next();
+            PurgeSql {
+                sql: if dialect.delete_limit {
+                    let limit = p.next();
+                    format!(
+                        "DELETE FROM {k} WHERE updated_at < {first} AND {unsent} \
+                         ORDER BY updated_at LIMIT {limit}"
+                    )
+                } else {
+                    let (second, limit) = (p.next(), p.next());
+                    format!(
+                        "DELETE FROM {k} WHERE updated_at < {first} AND ordering_key IN \
+                         (SELECT ordering_key FROM {k} WHERE updated_at < {second} AND {unsent} \
+                         ORDER BY updated_at LIMIT {limit})"
+                    )
+                },
+                binds: if dialect.delete_limit {
+                    vec![Bind::Cutoff, Bind::Limit]
+                } else {
+                    vec![Bind::Cutoff, Bind::Cutoff, Bind::Limit]
+                },
+            }
+        };
+        Self {
+            dialect: *dialect,
+            table: o,
+            taken,
+            insert: insert.into(),
+            next_seq: next_seq.into(),
+            insert_keyed: insert_keyed.into(),
+            notify,
+            notifies: true,
+            take_unkeyed: take_unkeyed.into(),
+            heads: heads.into(),
+            mark_failed: mark_failed.into(),
+            backlog: backlog.into(),
+            counts: counts.into(),
+            parked: parked.into(),
+            row: row.into(),
+            by_message_id: by_message_id.into(),
+            retry: retry.into(),
+            purge_sent,
+            purge_keys,
+            channel,
+            pooled: false,
+        }
+    }
+
+    /// The statement that takes the rows `which` selects (a condition, its order and its limit),
+    /// skipping rows another relay holds: marking them sent as it locks them, where the dialect
+    /// can (see [`OutboxDialect::mark_on_take`]), and returning their `taken` columns.
+    fn take(dialect: &Dialect, table: &str, taken: &str, which: &str) -> String {
+        let OutboxDialect {
+            skip_locked,
+            mark_on_take,
+            ..
+        } = dialect.outbox;
+        if mark_on_take {
+            format!(
+                "UPDATE {table} SET state = {SENT}, sent_at = {now} WHERE id IN \
+                 (SELECT id FROM {table} WHERE {which}{skip_locked}) RETURNING {taken}",
+                now = dialect.now_ms
+            )
+        } else {
+            format!("SELECT {taken} FROM {table} WHERE {which}{skip_locked}")
+        }
+    }
+
+    /// Takes the due heads of these `keys` (`(key, seq)` pairs), skipping rows another relay holds.
+    fn take_keyed(&self, keys: usize) -> String {
+        let mut p = Params::new(&self.dialect);
+        let pairs: Vec<String> = (0..keys)
+            .map(|_| format!("({}, {})", p.next(), p.next()))
+            .collect();
+        let which = format!(
+            "state = {PENDING} AND due_at <= {} AND (ordering_key, ordering_seq) IN ({}) \
+             ORDER BY id",
+            self.dialect.now_ms,
+            pairs.join(", ")
+        );
+        Self::take(&self.dialect, &self.table, &self.taken, &which)
+    }
+
+    /// These statements with writers sending the relays' wake-up (where the database has one), or
+    /// not.
+    pub(crate) fn notifying(self, notifies: bool) -> Self {
+        Self { notifies, ..self }
+    }
+
+    /// These statements, sent as behind a pooler in transaction mode or not.
+    pub(crate) fn with_pooling(self, pooled: bool) -> Self {
+        Self { pooled, ..self }
+    }
+
+    /// Whether the rows a relay takes are marked sent already (see
+    /// [`OutboxDialect::mark_on_take`]).
+    pub(crate) fn marks_on_take(&self) -> bool {
+        self.dialect.outbox.mark_on_take
+    }
+
+    /// Sets these `rows` to `state` (sent, or back to pending).
+    fn set_state(&self, rows: usize, state: i64) -> String {
+        let mut p = Params::new(&self.dialect);
+        let ids: Vec<String> = (0..rows).map(|_| p.next()).collect();
+        let sent_at = if state == SENT {
+            self.dialect.now_ms
+        } else {
+            "NULL"
+        };
+        format!(
+            "UPDATE {} SET state = {state}, sent_at = {sent_at} WHERE id IN ({})",
+            self.table,
+            ids.join(", ")
+        )
+    }
+}
+
+/// How a failed publication leaves its row: its new state, attempts, delay before the next
+/// attempt, and the error.
+#[derive(Debug, Clone, Copy)]
+pub struct Failure<'a> {
+    pub(crate) id: i64,
+    pub(crate) state: i64,
+    pub(crate) attempts: i64,
+    pub(crate) delay_ms: i64,
+    pub(crate) error: &'a str,
+}
+
+/// The outbox's statements, run; implemented once for every backend (see [`Queries`]).
+///
+/// [`Queries`]: super::Queries
+pub trait OutboxQueries: Store {
+    /// Writes `row` in the open transaction, with its ordering key's next number if it has one.
+    fn outbox_insert<'a>(
+        conn: &'a mut Self::Connection,
+        statements: &'a OutboxStatements,
+        row: NewRow<'a>,
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a;
+
+    /// Wakes the relays when the open transaction commits, where the database can.
+    fn outbox_notify<'a>(
+        conn: &'a mut Self::Connection,
+        statements: &'a OutboxStatements,
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a;
+
+    /// Takes, in the open transaction, at most `limit` due rows that no other relay holds: the
+    /// head of each ordering key first (at most half of `limit`), then rows without one, in order.
+    fn outbox_take<'a>(
+        conn: &'a mut Self::Connection,
+        statements: &'a OutboxStatements,
+        limit: usize,
+    ) -> impl Future<Output = Result<Vec<TakenRow>, sqlx::Error>> + Send + 'a;
+
+    /// Marks the rows `ids` sent, or (`sent` false) pending again: what a relay took and the
+    /// broker did not confirm.
+    fn outbox_set_sent<'a>(
+        conn: &'a mut Self::Connection,
+        statements: &'a OutboxStatements,
+        ids: &'a [i64],
+        sent: bool,
+    ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send + 'a;
+
+    /// Records a failed publication of a row.
+    fn outbox_mark_failed<'a>(
+        conn: &'a mut Self::Connection,
+        statements: &'a OutboxStatements,
+        failure: Failure<'a>,
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a;
+
+    /// `(pending rows, oldest pending created_at, now)`.
+    fn outbox_backlog<'a>(
+        conn: &'a mut Self::Connection,
+        statements: &'a OutboxStatements,
+    ) -> impl Future<Output = Result<(i64, Option<i64>, i64), sqlx::Error>> + Send + 'a;
+
+    /// Rows per state.
+    fn outbox_counts<'a>(
+        conn: &'a mut Self::Connection,
+        statements: &'a OutboxStatements,
+    ) -> impl Future<Output = Result<Vec<StateCount>, sqlx::Error>> + Send + 'a;
+
+    /// Parked rows after row `after`, in order.
+    fn outbox_parked<'a>(
+        conn: &'a mut Self::Connection,
+        statements: &'a OutboxStatements,
+        after: i64,
+        limit: i64,
+    ) -> impl Future<Output = Result<Vec<ShownRow>, sqlx::Error>> + Send + 'a;
+
+    /// The row `id`.
+    fn outbox_row<'a>(
+        conn: &'a mut Self::Connection,
+        statements: &'a OutboxStatements,
+        id: i64,
+    ) -> impl Future<Output = Result<Option<ShownRow>, sqlx::Error>> + Send + 'a;
+
+    /// The rows of the message `message_id`, in order.
+    fn outbox_rows_of<'a>(
+        conn: &'a mut Self::Connection,
+        statements: &'a OutboxStatements,
+        message_id: &'a str,
+    ) -> impl Future<Output = Result<Vec<ShownRow>, sqlx::Error>> + Send + 'a;
+
+    /// Makes the parked row `id` pending again, due now, with no attempts; whether it was parked.
+    fn outbox_retry<'a>(
+        conn: &'a mut Self::Connection,
+        statements: &'a OutboxStatements,
+        id: i64,
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send + 'a;
+}
+
+impl<DB> OutboxQueries for DB
+where
+    DB: Store + sqlx::database::HasStatementCache,
+    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
+    for<'q> &'q str: Encode<'q, DB> + Type<DB>,
+    for<'q> &'q [u8]: Encode<'q, DB> + Type<DB>,
+    for<'q> Option<&'q [u8]>: Encode<'q, DB>,
+    <DB as Database>::Arguments: sqlx::IntoArguments<DB>,
+    for<'q> i64: Encode<'q, DB> + Type<DB>,
+    for<'r> Option<Vec<u8>>: Decode<'r, DB> + Type<DB>,
+    for<'r> i64: Decode<'r, DB>,
+    for<'r> String: Decode<'r, DB> + Type<DB>,
+    for<'r> Vec<u8>: Decode<'r, DB> + Type<DB>,
+    for<'r> Option<i64>: Decode<'r, DB>,
+    usize: sqlx::ColumnIndex<DB::Row>,
+    DB::QueryResult: RowsAffected,
+{
+    async fn outbox_insert(
+        conn: &mut DB::Connection,
+        statements: &OutboxStatements,
+        row: NewRow<'_>,
+    ) -> Result<(), sqlx::Error> {
+        let sql = match row.ordering_key {
+            Some(key) => {
+                sqlx::query(AssertSqlSafe(statements.next_seq.clone()))
+                    .persistent(!statements.pooled)
+                    .bind(key)
+                    .execute(&mut *conn)
+                    .await?;
+                statements.insert_keyed.clone()
+            }
+            None => statements.insert.clone(),
+        };
+        let mut query = sqlx::query(AssertSqlSafe(sql))
+            .persistent(!statements.pooled)
+            .bind(row.message_id)
+            .bind(row.exchange)
+            .bind(row.routing_key)
+            .bind(row.payload)
+            .bind(row.headers)
+            .bind(row.origin);
+        if let Some(key) = row.ordering_key {
+            query = query.bind(key);
+        }
+        query.execute(conn).await?;
+        Ok(())
+    }
+
+    async fn outbox_notify(
+        conn: &mut DB::Connection,
+        statements: &OutboxStatements,
+    ) -> Result<(), sqlx::Error> {
+        if let Some(notify) = statements.notify.as_ref().filter(|_| statements.notifies) {
+            sqlx::query(AssertSqlSafe(notify.clone()))
+                .persistent(!statements.pooled)
+                .execute(conn)
+                .await?;
+        }
+        Ok(())
+    }
+
+    async fn outbox_take(
+        conn: &mut DB::Connection,
+        statements: &OutboxStatements,
+        limit: usize,
+    ) -> Result<Vec<TakenRow>, sqlx::Error> {
+        let limit = limit.max(1);
+        let heads: Vec<(String, i64)> = sqlx::query_as(AssertSqlSafe(statements.heads.clone()))
+            .persistent(!statements.pooled)
+            .bind(i64::try_from(limit.div_ceil(2)).unwrap_or(i64::MAX))
+            .fetch_all(&mut *conn)
+            .await?;
+        let mut rows: Vec<TakenRow> = Vec::with_capacity(limit);
+        if !heads.is_empty() {
+            let mut query = sqlx::query_as(AssertSqlSafe(statements.take_keyed(heads.len())))
+                .persistent(!statements.pooled);
+            for (key, seq) in &heads {
+                query = query.bind(key.as_str()).bind(*seq);
+            }
+            rows = query.fetch_all(&mut *conn).await?;
+        }
+        let rest = limit.saturating_sub(rows.len());
+        if rest > 0 {
+            let unkeyed: Vec<TakenRow> =
+                sqlx::query_as(AssertSqlSafe(statements.take_unkeyed.clone()))
+                    .persistent(!statements.pooled)
+                    .bind(i64::try_from(rest).unwrap_or(i64::MAX))
+                    .fetch_all(conn)
+                    .await?;
+            rows.extend(unkeyed);
+        }
+        rows.sort_by_key(|row| row.0);
+        Ok(rows)
+    }
+
+    async fn outbox_set_sent(
+        conn: &mut DB::Connection,
+        statements: &OutboxStatements,
+        ids: &[i64],
+        sent: bool,
+    ) -> Result<u64, sqlx::Error> {
+        let state = if sent { SENT } else { PENDING };
+        let mut done = 0;
+        // Bounded statements, well under every database's limit on parameters.
+        for chunk in ids.chunks(500) {
+            let sql = statements.set_state(chunk.len(), state);
+            let mut query = sqlx::query(AssertSqlSafe(sql)).persistent(!statements.pooled);
+            for id in chunk {
+                query = query.bind(*id);
+            }
+            done += query.execute(&mut *conn).await?.rows();
+        }
+        Ok(done)
+    }
+
+    async fn outbox_mark_failed(
+        conn: &mut DB::Connection,
+        statements: &OutboxStatements,
+        failure: Failure<'_>,
+    ) -> Result<(), sqlx::Error> {
+        sqlx::query(AssertSqlSafe(statements.mark_failed.clone()))
+            .persistent(!statements.pooled)
+            .bind(failure.state)
+            .bind(failure.attempts)
+            .bind(failure.delay_ms)
+            .bind(failure.error)
+            .bind(failure.id)
+            .execute(conn)
+            .await?;
+        Ok(())
+    }
+
+    async fn outbox_backlog(
+        conn: &mut DB::Connection,
+        statements: &OutboxStatements,
+    ) -> Result<(i64, Option<i64>, i64), sqlx::Error> {
+        alone!(
+            conn,
+            statements,
+            sqlx::query_as(AssertSqlSafe(statements.backlog.clone()))
+                .persistent(!statements.pooled)
+                .fetch_one(&mut *conn)
+        )
+    }
+
+    async fn outbox_counts(
+        conn: &mut DB::Connection,
+        statements: &OutboxStatements,
+    ) -> Result<Vec<StateCount>, sqlx::Error> {
+        alone!(
+            conn,
+            statements,
+            sqlx::query_as(AssertSqlSafe(statements.counts.clone()))
+                .persistent(!statements.pooled)
+                .fetch_all(&mut *conn)
+        )
+    }
+
+    async fn outbox_parked(
+        conn: &mut DB::Connection,
+        statements: &OutboxStatements,
+        after: i64,
+        limit: i64,
+    ) -> Result<Vec<ShownRow>, sqlx::Error> {
+        alone!(
+            conn,
+            statements,
+            sqlx::query_as(AssertSqlSafe(statements.parked.clone()))
+                .persistent(!statements.pooled)
+                .bind(after)
+                .bind(limit)
+                .fetch_all(&mut *conn)
+        )
+    }
+
+    async fn outbox_row(
+        conn: &mut DB::Connection,
+        statements: &OutboxStatements,
+        id: i64,
+    ) -> Result<Option<ShownRow>, sqlx::Error> {
+        alone!(
+            conn,
+            statements,
+            sqlx::query_as(AssertSqlSafe(statements.row.clone()))
+                .persistent(!statements.pooled)
+                .bind(id)
+                .fetch_optional(&mut *conn)
+        )
+    }
+
+    async fn outbox_rows_of(
+        conn: &mut DB::Connection,
+        statements: &OutboxStatements,
+        message_id: &str,
+    ) -> Result<Vec<ShownRow>, sqlx::Error> {
+        alone!(
+            conn,
+            statements,
+            sqlx::query_as(AssertSqlSafe(statements.by_message_id.clone()))
+                .persistent(!statements.pooled)
+                .bind(message_id)
+                .fetch_all(&mut *conn)
+        )
+    }
+
+    async fn outbox_retry(
+        conn: &mut DB::Connection,
+        statements: &OutboxStatements,
+        id: i64,
+    ) -> Result<bool, sqlx::Error> {
+        let done = alone!(
+            conn,
+            statements,
+            sqlx::query(AssertSqlSafe(statements.retry.clone()))
+                .persistent(!statements.pooled)
+                .bind(id)
+                .execute(&mut *conn)
+        )?;
+        Ok(done.rows() == 1)
+    }
+}
+
+/// Listens on `channel` and calls `wake` for each notification, and once after each reconnection
+/// (the notifications sent meanwhile are lost); reconnects after failures, for ever.
+#[cfg(feature = "postgres")]
+pub(crate) async fn listen_postgres(
+    pool: sqlx::PgPool,
+    channel: String,
+    wake: Arc<dyn Fn() + Send + Sync>,
+) {
+    use sqlx::postgres::PgListener;
+    let mut pause = std::time::Duration::from_millis(100);
+    loop {
+        let mut listening = false;
+        let failed: Result<std::convert::Infallible, sqlx::Error> = async {
+            let mut listener = PgListener::connect_with(&pool).await?;
+            listener.listen(&channel).await?;
+            listening = true;
+            // Rows committed before the LISTEN took effect notified nobody.
+            wake();
+            loop {
+                // `None`: the connection was lost and is back; what was notified meanwhile is
+                // gone, so wake up either way.
+                listener.try_recv().await?;
+                wake();
+            }
+        }
+        .await;
+        let Err(error) = failed;
+        tracing::debug!(%channel, %error, "the outbox's listener failed; relays poll meanwhile");
+        wake();
+        if listening {
+            pause = std::time::Duration::from_millis(100);
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(std::time::Duration::from_secs(5));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dialect() -> Dialect {
+        Dialect {
+            quote: '"',
+            question_marks: false,
+            insert_ignore: "INSERT INTO",
+            on_conflict: " ON CONFLICT DO NOTHING",
+            processed_now: "now()",
+            now_ms: "NOW_MS",
+            time_of_ms: "{}",
+            processed_ms: "processed_at",
+            text_of: "{}",
+            int: "BIGINT",
+            upsert_horizon: "",
+            delete_limit: false,
+            outbox: OutboxDialect {
+                skip_locked: " FOR UPDATE SKIP LOCKED",
+                next_seq: " ON CONFLICT (ordering_key) DO UPDATE SET last_seq = {k}.last_seq + 1, updated_at = {now}",
+                notify: Some("SELECT pg_notify('{c}', '')"),
+                mark_on_take: true,
+            },
+        }
+    }
+
+    #[test]
+    fn statements_number_their_parameters_in_order() {
+        let table = TableName::new("shop").unwrap();
+        let s = OutboxStatements::new(&dialect(), &table);
+        assert!(s.insert_keyed.ends_with(
+            "SELECT $1, $2, $3, $4, $5, $6, 0, 0, NOW_MS, NOW_MS, ordering_key, last_seq \
+             FROM \"shop_outbox_keys\" WHERE ordering_key = $7"
+        ));
+        assert_eq!(
+            &*s.next_seq,
+            "INSERT INTO \"shop_outbox_keys\" (ordering_key, last_seq, updated_at) VALUES ($1, 1, NOW_MS) \
+             ON CONFLICT (ordering_key) DO UPDATE SET last_seq = \"shop_outbox_keys\".last_seq + 1, updated_at = NOW_MS"
+        );
+        assert!(
+            s.take_unkeyed
+                .starts_with("UPDATE \"shop_outbox\" SET state = 1, sent_at = NOW_MS WHERE id IN")
+        );
+        assert!(
+            s.take_unkeyed
+                .contains("ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED) RETURNING id,")
+        );
+        assert!(
+            s.take_keyed(2)
+                .contains("IN (($1, $2), ($3, $4)) ORDER BY id FOR UPDATE SKIP LOCKED)")
+        );
+        assert!(
+            s.set_state(3, PENDING)
+                .ends_with("SET state = 0, sent_at = NULL WHERE id IN ($1, $2, $3)")
+        );
+        assert_eq!(
+            s.notify.as_deref(),
+            Some("SELECT pg_notify('shop_outbox', '')")
+        );
+        assert_eq!(s.purge_keys.binds.len(), 3);
+    }
+}

@@ -1,0 +1,14 @@
+use idempotent::idempotent;
+use idempotent::outbox::Outbox;
+
+struct Msg {
+    message_id: String,
+}
+
+#[idempotent(key = "message_id", consumer = "orders")]
+async fn handle(tx: &mut sqlx::PgConnection, msg: &Msg, outbox: &Outbox) -> Result<(), sqlx::Error> {
+    let _ = (tx, msg, outbox);
+    Ok(())
+}
+
+fn main() {}
