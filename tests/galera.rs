@@ -22,7 +22,33 @@ use support::{Consumer, Delivery, Harness, Outcome};
 
 use conformance::conformance_tests;
 
-conformance_tests!(MySqlHarness::on_galera().await);
+conformance_tests!(@galera MySqlHarness::on_galera().await);
+
+/// The outbox's cases where two inboxes must meet in a row lock, with both on one node: relays
+/// and the writers of an ordering key on one node (as the README's "Running at scale" says to run
+/// them), the producers on any.
+mod locks_on_one_node {
+    use super::*;
+    conformance_tests!(@shared_locks MySqlHarness::on_galera().await.others_on_node(0));
+}
+
+/// Relays on two nodes: every row published, some twice (under their ids).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relays_on_two_nodes_publish_every_row_at_least_once() {
+    conformance::relays_whose_locks_do_not_meet_publish_every_row_at_least_once(
+        MySqlHarness::on_galera().await,
+    )
+    .await;
+}
+
+/// Writers of one ordering key on two nodes: no wait, one commit refused, commit order kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writers_of_a_key_on_two_nodes_commit_one_at_a_time() {
+    conformance::writers_of_a_key_whose_locks_do_not_meet_commit_one_at_a_time(
+        MySqlHarness::on_galera().await,
+    )
+    .await;
+}
 
 /// The inboxes of one harness on nodes 1, 2 and 3.
 fn inboxes(h: &MySqlHarness) -> [Inbox<sqlx::MySql>; 3] {

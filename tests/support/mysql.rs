@@ -32,6 +32,8 @@ pub struct MySqlHarness {
     pub inbox_node: MySqlPool,
     /// On Galera: the test database on each node, in the order of `IDEMPOTENT_GALERA_URLS`.
     pub nodes: Vec<MySqlConnectOptions>,
+    /// On Galera: the node (0-based) of the inboxes [`Harness::inbox_with_pool`] makes.
+    pub other_node: usize,
 }
 
 impl MySqlHarness {
@@ -121,9 +123,18 @@ impl MySqlHarness {
             database,
             inbox_node,
             nodes,
+            other_node: 1,
         };
         h.sync_nodes().await;
         h
+    }
+
+    /// This harness, its other inboxes on Galera node `node` (0-based; the inbox's own is 0).
+    pub fn others_on_node(self, node: usize) -> Self {
+        Self {
+            other_node: node,
+            ..self
+        }
     }
 
     /// A pool of `connections` on Galera node `node` (0-based), its sessions reading causally
@@ -201,8 +212,8 @@ impl Harness for MySqlHarness {
     type Db = MySql;
 
     fn inbox_with_pool(&self, connections: u32) -> Inbox<Self::Db> {
-        // On Galera, on another node than the inbox's.
-        let options = match self.nodes.get(1) {
+        // On Galera, on another node than the inbox's (unless told otherwise).
+        let options = match self.nodes.get(self.other_node) {
             Some(node) => node.clone(),
             None => self.pool.connect_options().as_ref().clone(),
         };
