@@ -97,14 +97,14 @@ impl Publisher for Recorder {
     }
 }
 
-fn options() -> RelayOptions {
+pub fn options() -> RelayOptions {
     RelayOptions::default()
         .batch_size(10)
         .poll_interval(Duration::from_millis(5), Duration::from_millis(50))
 }
 
 /// Runs relay batches until the outbox has no pending message left, for at most `limit`.
-async fn drain<H: Harness>(h: &H, publisher: &Arc<Recorder>, options: &RelayOptions) {
+pub async fn drain<H: Harness>(h: &H, publisher: &Arc<Recorder>, options: &RelayOptions) {
     let start = Instant::now();
     loop {
         let report = h.inbox().relay_once(publisher, options).await.unwrap();
@@ -122,7 +122,7 @@ async fn drain<H: Harness>(h: &H, publisher: &Arc<Recorder>, options: &RelayOpti
 }
 
 /// Waits until no outgoing message is pending, for at most a minute.
-async fn until_drained<H: Harness>(h: &H) {
+pub async fn until_drained<H: Harness>(h: &H) {
     let start = Instant::now();
     while h.inbox().outbox_stats().await.unwrap().pending > 0 {
         assert!(
@@ -517,97 +517,6 @@ pub async fn a_second_writer_of_an_ordering_key_waits_for_the_first_commit(h: im
         .map(|p| p.payload.clone())
         .collect();
     assert_eq!(order, [b"first".to_vec(), b"second".to_vec()]);
-}
-
-/// Relays whose row locks do not meet (on Galera, relays on two nodes: a row lock is one node's):
-/// both may take and publish a row, and the second to commit its batch is refused by the cluster.
-/// Every row is still published and ends marked sent, under its stable id, so the downstream inbox
-/// drops the copy. (Relays that share their locks publish a row once:
-/// `two_relays_never_publish_one_row_at_once`.)
-pub async fn relays_whose_locks_do_not_meet_publish_every_row_at_least_once(h: impl Harness) {
-    for i in 0..40 {
-        let msg = Delivery::new(&format!("m{i}")).sending(Outgoing::default());
-        assert!(h.deliver_notifier(&msg).await.unwrap().is_processed());
-    }
-    let recorder = Recorder::new(Duration::from_millis(15));
-    let options = RelayOptions::default()
-        .batch_size(4)
-        .workers(2)
-        .poll_interval(Duration::from_millis(5), Duration::from_millis(20));
-    let other = h.inbox_with_pool(4);
-    let first = h.inbox().spawn_relay(recorder.clone(), options.clone());
-    let second = other.spawn_relay(recorder.clone(), options);
-    until_drained(&h).await;
-    first.shutdown().await;
-    second.shutdown().await;
-    let counts = recorder.counts();
-    let rows = h.outbox_rows().await;
-    assert_eq!(rows.len(), 40);
-    for row in &rows {
-        assert!(
-            counts.get(&row.0).is_some_and(|n| *n >= 1),
-            "{} was lost",
-            row.0
-        );
-    }
-    assert_eq!(counts.len(), 40, "a message no row holds was published");
-    assert!(
-        rows.iter().all(|row| row.4 == 1),
-        "a row is not marked sent"
-    );
-    let copies: usize = counts.values().map(|n| n - 1).sum();
-    println!("40 rows, {copies} published twice");
-}
-
-/// Writers of one ordering key whose locks do not meet (on Galera, two nodes): the second does not
-/// wait for the first; the first to commit wins, the other's commit is refused (retryably: a
-/// handler's is retried by the broker), and the relay publishes the key in the order the two
-/// finally committed. (Writers that share their locks wait:
-/// `a_second_writer_of_an_ordering_key_waits_for_the_first_commit`.)
-pub async fn writers_of_a_key_whose_locks_do_not_meet_commit_one_at_a_time(h: impl Harness) {
-    let keyed = |label: &str| {
-        let mut outbox = Outbox::new("checkout", label).unwrap();
-        outbox.send(
-            OutgoingMessage::new(Destination::queue("orders"), label.as_bytes().to_vec())
-                .with_ordering_key("order-9"),
-        );
-        outbox
-    };
-    let mut first = h.inbox().pool().begin().await.unwrap();
-    h.inbox().enqueue(&mut first, keyed("first")).await.unwrap();
-    let other = h.inbox_with_pool(2);
-    let mut second = other.pool().begin().await.unwrap();
-    tokio::time::timeout(
-        Duration::from_secs(5),
-        other.enqueue(&mut second, keyed("second")),
-    )
-    .await
-    .expect("the second writer waited for the first")
-    .unwrap();
-    second.commit().await.unwrap();
-    let refused = match first.commit().await {
-        Err(error) => {
-            let code = error.as_database_error().and_then(|e| e.code());
-            assert_eq!(code.as_deref(), Some("40001"), "{error:?}");
-            // Written again, as a redelivery would.
-            let mut again = h.inbox().pool().begin().await.unwrap();
-            h.inbox().enqueue(&mut again, keyed("first")).await.unwrap();
-            again.commit().await.unwrap();
-            true
-        }
-        Ok(()) => false,
-    };
-    assert!(refused, "both writers of the key committed the same number");
-    let recorder = Recorder::new(Duration::ZERO);
-    drain(&h, &recorder, &options()).await;
-    let order: Vec<Vec<u8>> = recorder
-        .published
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|p| p.payload.clone())
-        .collect();
-    assert_eq!(order, [b"second".to_vec(), b"first".to_vec()]);
 }
 
 pub async fn poison_is_parked_never_blocks_the_rest_and_is_retryable_by_hand(h: impl Harness) {
