@@ -18,11 +18,11 @@ use std::time::Duration;
 
 use idempotent::{Error, Handled, Inbox, InboxError, Stage, message_key};
 use support::mysql::{MySqlHarness, causal};
-use support::{Consumer, Delivery, Harness, Outcome, Outgoing};
+use support::{Consumer, Delivery, Harness, Outcome};
 
 use conformance::conformance_tests;
-use conformance::{Recorder, drain, options, until_drained};
-use idempotent::outbox::{Destination, Outbox, OutgoingMessage, RelayOptions};
+use conformance::{Recorder, drain, options, two_relays_drain_forty_messages};
+use idempotent::outbox::{Destination, Outbox, OutgoingMessage};
 
 conformance_tests!(@galera MySqlHarness::on_galera().await);
 
@@ -42,21 +42,7 @@ mod locks_on_one_node {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn relays_on_two_nodes_publish_every_row_at_least_once() {
     let h = MySqlHarness::on_galera().await;
-    for i in 0..40 {
-        let msg = Delivery::new(&format!("m{i}")).sending(Outgoing::default());
-        assert!(h.deliver_notifier(&msg).await.unwrap().is_processed());
-    }
-    let recorder = Recorder::new(Duration::from_millis(15));
-    let options = RelayOptions::default()
-        .batch_size(4)
-        .workers(2)
-        .poll_interval(Duration::from_millis(5), Duration::from_millis(20));
-    let other = h.inbox_with_pool(4);
-    let first = h.inbox().spawn_relay(recorder.clone(), options.clone());
-    let second = other.spawn_relay(recorder.clone(), options);
-    until_drained(&h).await;
-    first.shutdown().await;
-    second.shutdown().await;
+    let (recorder, _, _) = two_relays_drain_forty_messages(&h, false).await;
     let counts = recorder.counts();
     let rows = h.outbox_rows().await;
     assert_eq!(rows.len(), 40);
