@@ -161,14 +161,22 @@ impl<DB: Backend> Drop for Session<DB> {
         let Some(mut conn) = self.conn.take() else {
             return;
         };
-        let open = <DB as Database>::TransactionManager::get_transaction_depth(&conn) > 0;
-        if self.in_doubt || open {
+        let depth = <DB as Database>::TransactionManager::get_transaction_depth(&conn);
+        if self.in_doubt || depth > 0 {
             if !DB::CANCEL_SAFE {
                 conn.close_on_drop();
-            } else if open {
-                // The driver runs the rollback before the connection's next use, which is the
-                // pool's check as it comes back.
-                <DB as Database>::TransactionManager::start_rollback(&mut conn);
+            } else {
+                // The driver queues the rollbacks behind what is in flight and runs them before
+                // the connection's next use, which is the pool's check as it comes back. Sent
+                // even when no transaction shows: a step in doubt may be a `BEGIN` the driver
+                // has yet to count, or a `COMMIT` or `ROLLBACK` it ran but could not report,
+                // after which it skips the next rollback sent this way (the one a dropped
+                // `Transaction` sends): left unspent, that mark would swallow the rollback of
+                // the next transaction dropped on this connection, which would then go back to
+                // the pool open. At a depth of 0 a rollback does nothing.
+                for _ in 0..depth.max(1) {
+                    <DB as Database>::TransactionManager::start_rollback(&mut conn);
+                }
             }
             return;
         }
