@@ -630,15 +630,16 @@ async fn extras(url: &str, count: usize) -> Result<(), Box<dyn std::error::Error
     );
 
     // pgbench running the statements (b) sends, and those (a) sends: the database's limit for
-    // each. (b)'s claim is a prepared statement sent with its `BEGIN`, which a pgbench script
-    // cannot do; the limit is the better of the claim sent with `BEGIN` as a simple query and all
-    // statements prepared, the claim on its own. Against it, (a) and (b) from the pool and with
-    // held connections: the median of three runs of three times the deliveries, interleaved.
+    // each. (b) sends its `BEGIN` and the mark in one simple query, then prepared statements,
+    // which a pgbench script cannot mix; the limit is the better of everything as simple queries
+    // (the `BEGIN` joined to the mark) and everything prepared (one message more). Against it,
+    // (a) and (b) from the pool and with held connections: the median of three runs of three
+    // times the deliveries, interleaved.
     let b_limit = [(CLAIM_SQL, "simple"), (SEPARATE_CLAIM_SQL, "prepared")]
         .into_iter()
-        .filter_map(|(begin, mode)| pgbench(url, WORKERS, begin, mode))
+        .filter_map(|(begin, mode)| pgbench(url, WORKERS, begin, COMMIT_CHECK_SQL, mode))
         .fold(f64::NAN, f64::max);
-    let a_limit = pgbench(url, WORKERS, "BEGIN;\n", "prepared").unwrap_or(f64::NAN);
+    let a_limit = pgbench(url, WORKERS, "BEGIN;\n", "", "prepared").unwrap_or(f64::NAN);
     let configurations = [
         (Variant::Plain, false),
         (Variant::Plain, true),
@@ -785,27 +786,35 @@ async fn instance(url: &str) -> Result<(), Box<dyn std::error::Error>> {
     Ok(())
 }
 
-/// What (b) sends before its `UPDATE`: the claim in one message with its `BEGIN` (`\\;` joins
-/// them in a pgbench script).
-const CLAIM_SQL: &str = "BEGIN \\; INSERT INTO idempotent_inbox (consumer, message_key, fingerprint) \
-    VALUES (convert_from(decode('706762656e6368', 'hex'), 'UTF8'), \
-    decode(md5(random()::text || clock_timestamp()::text), 'hex'), NULL);\n";
-
-/// The same with the claim as a statement of its own.
-const SEPARATE_CLAIM_SQL: &str = "BEGIN;\n\
+/// What (b) sends before its `UPDATE` with the default (quiet) claim: the `BEGIN` with the mark
+/// its commit checks, in one message (`\;` joins them in a pgbench script, sent as a simple
+/// query), then the claim.
+const CLAIM_SQL: &str = "BEGIN \\; SET LOCAL idempotent.claim = 'on';\n\
     INSERT INTO idempotent_inbox (consumer, message_key, fingerprint) \
-    VALUES ('pgbench', decode(md5(random()::text || clock_timestamp()::text), 'hex'), NULL);\n";
+    VALUES ('pgbench', decode(md5(random()::text || clock_timestamp()::text), 'hex'), NULL) \
+    ON CONFLICT DO NOTHING;\n";
+
+/// The same as statements of their own (a prepared script cannot join two).
+const SEPARATE_CLAIM_SQL: &str = "BEGIN;\n\
+    SET LOCAL idempotent.claim = 'on';\n\
+    INSERT INTO idempotent_inbox (consumer, message_key, fingerprint) \
+    VALUES ('pgbench', decode(md5(random()::text || clock_timestamp()::text), 'hex'), NULL) \
+    ON CONFLICT DO NOTHING;\n";
+
+/// What (b) sends after its `UPDATE`, before `COMMIT`: the check that the transaction is still the
+/// one the inbox began.
+const COMMIT_CHECK_SQL: &str = "SELECT current_setting('idempotent.claim', true);\n";
 
 /// Runs pgbench for 5 seconds in query `mode` with one delivery's statements: `begin` (a plain
-/// `BEGIN`, or with the claim), the `UPDATE`, `COMMIT`; its tx/s.
-fn pgbench(url: &str, clients: usize, begin: &str, mode: &str) -> Option<f64> {
+/// `BEGIN`, or with the claim), the `UPDATE`, `before_commit`, `COMMIT`; its tx/s.
+fn pgbench(url: &str, clients: usize, begin: &str, before_commit: &str, mode: &str) -> Option<f64> {
     let script = std::env::temp_dir().join("idempotent-bench.sql");
     std::fs::write(
         &script,
         format!(
             "\\set id random(1, 10000)\n{begin}\
              UPDATE accounts SET balance = balance + 1 WHERE id = :id;\n\
-             COMMIT;\n"
+             {before_commit}COMMIT;\n"
         ),
     )
     .ok()?;
