@@ -21,8 +21,7 @@ use support::mysql::{MySqlHarness, causal};
 use support::{Consumer, Delivery, Harness, Outcome};
 
 use conformance::conformance_tests;
-use conformance::{Recorder, drain, options, two_relays_drain_forty_messages};
-use idempotent::outbox::{Destination, Outbox, OutgoingMessage};
+use conformance::{drained_payloads, keyed, two_relays_drain_forty_messages};
 
 conformance_tests!(@galera MySqlHarness::on_galera().await);
 
@@ -70,14 +69,6 @@ async fn relays_on_two_nodes_publish_every_row_at_least_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn writers_of_a_key_on_two_nodes_commit_one_at_a_time() {
     let h = MySqlHarness::on_galera().await;
-    let keyed = |label: &str| {
-        let mut outbox = Outbox::new("checkout", label).unwrap();
-        outbox.send(
-            OutgoingMessage::new(Destination::queue("orders"), label.as_bytes().to_vec())
-                .with_ordering_key("order-9"),
-        );
-        outbox
-    };
     let mut first = h.inbox().pool().begin().await.unwrap();
     h.inbox().enqueue(&mut first, keyed("first")).await.unwrap();
     let other = h.inbox_with_pool(2);
@@ -90,29 +81,20 @@ async fn writers_of_a_key_on_two_nodes_commit_one_at_a_time() {
     .expect("the second writer waited for the first")
     .unwrap();
     second.commit().await.unwrap();
-    let refused = match first.commit().await {
-        Err(error) => {
-            let code = error.as_database_error().and_then(|e| e.code());
-            assert_eq!(code.as_deref(), Some("40001"), "{error:?}");
-            // Written again, as a redelivery would.
-            let mut again = h.inbox().pool().begin().await.unwrap();
-            h.inbox().enqueue(&mut again, keyed("first")).await.unwrap();
-            again.commit().await.unwrap();
-            true
-        }
-        Ok(()) => false,
-    };
-    assert!(refused, "both writers of the key committed the same number");
-    let recorder = Recorder::new(Duration::ZERO);
-    drain(&h, &recorder, &options()).await;
-    let order: Vec<Vec<u8>> = recorder
-        .published
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|p| p.payload.clone())
-        .collect();
-    assert_eq!(order, [b"second".to_vec(), b"first".to_vec()]);
+    let refused = first
+        .commit()
+        .await
+        .expect_err("both writers of the key committed the same number");
+    let code = refused.as_database_error().and_then(|e| e.code());
+    assert_eq!(code.as_deref(), Some("40001"), "{refused:?}");
+    // Written again, as a redelivery would.
+    let mut again = h.inbox().pool().begin().await.unwrap();
+    h.inbox().enqueue(&mut again, keyed("first")).await.unwrap();
+    again.commit().await.unwrap();
+    assert_eq!(
+        drained_payloads(&h).await,
+        [b"second".to_vec(), b"first".to_vec()]
+    );
 }
 
 /// The inboxes of one harness on nodes 1, 2 and 3.

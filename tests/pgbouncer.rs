@@ -248,6 +248,17 @@ async fn the_purgers_lock_holds_through_the_pooler() {
         }
         free
     };
+    // The lock is freed by PgBouncer's reset or by the server session's end: a moment after the
+    // client's transaction or connection ended.
+    let lock_freed_within_5_s = async || {
+        for _ in 0..50 {
+            if direct_lock_is_free().await {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        false
+    };
 
     // A session's lock, taken through the pooler: gone once the statement's transaction ended
     // and PgBouncer reset its session.
@@ -261,15 +272,7 @@ async fn the_purgers_lock_holds_through_the_pooler() {
     .map(|row| sqlx::Row::get(&row, 0))
     .unwrap();
     assert!(taken);
-    // PgBouncer sends its reset after it saw the transaction end, a moment after the client did.
-    let mut free = false;
-    for _ in 0..50 {
-        free = direct_lock_is_free().await;
-        if free {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let free = lock_freed_within_5_s().await;
     assert!(
         free,
         "a session's lock survived its transaction behind the pooler"
@@ -314,14 +317,7 @@ async fn the_purgers_lock_holds_through_the_pooler() {
         cut.is_err(),
         "the purge finished before it could be dropped"
     );
-    let mut free = false;
-    for _ in 0..50 {
-        free = direct_lock_is_free().await;
-        if free {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let free = lock_freed_within_5_s().await;
     assert!(free, "the dropped purge left its lock behind");
     let report = other.purge_expired(1000).await.unwrap();
     assert!(!report.locked_elsewhere, "{report:?}");

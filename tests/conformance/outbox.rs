@@ -97,14 +97,14 @@ impl Publisher for Recorder {
     }
 }
 
-pub fn options() -> RelayOptions {
+fn options() -> RelayOptions {
     RelayOptions::default()
         .batch_size(10)
         .poll_interval(Duration::from_millis(5), Duration::from_millis(50))
 }
 
 /// Runs relay batches until the outbox has no pending message left, for at most `limit`.
-pub async fn drain<H: Harness>(h: &H, publisher: &Arc<Recorder>, options: &RelayOptions) {
+async fn drain<H: Harness>(h: &H, publisher: &Arc<Recorder>, options: &RelayOptions) {
     let start = Instant::now();
     loop {
         let report = h.inbox().relay_once(publisher, options).await.unwrap();
@@ -122,7 +122,7 @@ pub async fn drain<H: Harness>(h: &H, publisher: &Arc<Recorder>, options: &Relay
 }
 
 /// Waits until no outgoing message is pending, for at most a minute.
-pub async fn until_drained<H: Harness>(h: &H) {
+async fn until_drained<H: Harness>(h: &H) {
     let start = Instant::now();
     while h.inbox().outbox_stats().await.unwrap().pending > 0 {
         assert!(
@@ -482,18 +482,29 @@ pub async fn ordering_per_key_holds_under_concurrent_producers(h: impl Harness) 
     }
 }
 
+/// An outbox of checkout's message `label`, one outgoing message with ordering key `order-9` whose
+/// payload is the label.
+pub fn keyed(label: &str) -> Outbox {
+    let mut outbox = Outbox::new("checkout", label).unwrap();
+    outbox.send(
+        OutgoingMessage::new(Destination::queue("orders"), label.as_bytes().to_vec())
+            .with_ordering_key("order-9"),
+    );
+    outbox
+}
+
+/// Drains the outbox with relay batches; the payloads in the order the broker confirmed them.
+pub async fn drained_payloads<H: Harness>(h: &H) -> Vec<Vec<u8>> {
+    let recorder = Recorder::new(Duration::ZERO);
+    drain(h, &recorder, &options()).await;
+    let published = recorder.published.lock().unwrap();
+    published.iter().map(|p| p.payload.clone()).collect()
+}
+
 /// A transaction holding a message of a key makes a second writer of that key wait for its commit;
 /// the relay then publishes them in commit order (a row written first but committed second must
 /// not go out first).
 pub async fn a_second_writer_of_an_ordering_key_waits_for_the_first_commit(h: impl Harness) {
-    let keyed = |label: &str| {
-        let mut outbox = Outbox::new("checkout", label).unwrap();
-        outbox.send(
-            OutgoingMessage::new(Destination::queue("orders"), label.as_bytes().to_vec())
-                .with_ordering_key("order-9"),
-        );
-        outbox
-    };
     let mut first = h.inbox().pool().begin().await.unwrap();
     h.inbox().enqueue(&mut first, keyed("first")).await.unwrap();
     let other = h.inbox_with_pool(2);
@@ -517,16 +528,10 @@ pub async fn a_second_writer_of_an_ordering_key_waits_for_the_first_commit(h: im
     );
     first.commit().await.unwrap();
     second.await.unwrap();
-    let recorder = Recorder::new(Duration::ZERO);
-    drain(&h, &recorder, &options()).await;
-    let order: Vec<Vec<u8>> = recorder
-        .published
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|p| p.payload.clone())
-        .collect();
-    assert_eq!(order, [b"first".to_vec(), b"second".to_vec()]);
+    assert_eq!(
+        drained_payloads(&h).await,
+        [b"first".to_vec(), b"second".to_vec()]
+    );
 }
 
 pub async fn poison_is_parked_never_blocks_the_rest_and_is_retryable_by_hand(h: impl Harness) {
