@@ -238,6 +238,7 @@ async fn rabbitmq(
     inbox: &Inbox<Postgres>,
     count: usize,
 ) -> Vec<(&'static str, f64)> {
+    eprintln!("RabbitMQ, {count} messages:");
     let mut rows = Vec::new();
     let (_connection, channel) = amqp().await;
 
@@ -263,7 +264,11 @@ async fn rabbitmq(
         let delivery = deliveries.next().await.unwrap().unwrap();
         delivery.ack(BasicAckOptions::default()).await.unwrap();
     }
-    rows.push(("broker, no database", rate(batch.len(), start.elapsed())));
+    record(
+        &mut rows,
+        "broker, no database",
+        rate(batch.len(), start.elapsed()),
+    );
 
     // A hand-written loop with the handler, one worker.
     reset(pool).await;
@@ -325,10 +330,11 @@ async fn rabbitmq(
         }
         delivery.ack(BasicAckOptions::default()).await.unwrap();
     }
-    rows.push((
+    record(
+        &mut rows,
         "hand-written loop, 1 worker",
         rate(batch.len(), start.elapsed()),
-    ));
+    );
 
     for (label, workers, batches) in [
         ("runner, 1 worker", 1, None),
@@ -361,7 +367,7 @@ async fn rabbitmq(
             }
         };
         eprintln!("  {label}: {}", counted(&stats()));
-        rows.push((label, per_second));
+        record(&mut rows, label, per_second);
     }
     rows
 }
@@ -387,19 +393,24 @@ async fn nats_stream(
         })
         .await
         .unwrap();
-    let mut acks = Vec::with_capacity(messages.len());
-    for (id, payload) in messages {
-        let mut headers = HeaderMap::new();
-        headers.insert(async_nats::header::NATS_MESSAGE_ID, id.as_str());
-        acks.push(
-            jetstream
-                .publish_with_headers(format!("{name}.in"), headers, payload.clone().into())
-                .await
-                .unwrap(),
-        );
-    }
-    for ack in acks {
-        ack.await.unwrap();
+    // A thousand publications in flight at a time: async-nats holds back a publish while too many
+    // acknowledgements are awaited (somewhere between 3,000 and 10,000), which would wait for ever
+    // for acknowledgements awaited only after the last publish.
+    for group in messages.chunks(1000) {
+        let mut acks = Vec::with_capacity(group.len());
+        for (id, payload) in group {
+            let mut headers = HeaderMap::new();
+            headers.insert(async_nats::header::NATS_MESSAGE_ID, id.as_str());
+            acks.push(
+                jetstream
+                    .publish_with_headers(format!("{name}.in"), headers, payload.clone().into())
+                    .await
+                    .unwrap(),
+            );
+        }
+        for ack in acks {
+            ack.await.unwrap();
+        }
     }
     let consumer = stream
         .create_consumer(jetstream::consumer::pull::Config {
@@ -414,6 +425,7 @@ async fn nats_stream(
 }
 
 async fn nats(pool: &PgPool, inbox: &Inbox<Postgres>, count: usize) -> Vec<(&'static str, f64)> {
+    eprintln!("NATS JetStream, {count} messages:");
     let mut rows = Vec::new();
 
     let batch = messages(count, false);
@@ -435,7 +447,11 @@ async fn nats(pool: &PgPool, inbox: &Inbox<Postgres>, count: usize) -> Vec<(&'st
             .await
             .unwrap();
     }
-    rows.push(("broker, no database", rate(batch.len(), start.elapsed())));
+    record(
+        &mut rows,
+        "broker, no database",
+        rate(batch.len(), start.elapsed()),
+    );
 
     reset(pool).await;
     let batch = messages(count, false);
@@ -465,10 +481,11 @@ async fn nats(pool: &PgPool, inbox: &Inbox<Postgres>, count: usize) -> Vec<(&'st
             message.double_ack().await.unwrap();
         }
     }
-    rows.push((
+    record(
+        &mut rows,
         "hand-written loop, 1 worker",
         rate(batch.len(), start.elapsed()),
-    ));
+    );
 
     for (label, workers, batches) in [
         ("runner, 1 worker", 1, None),
@@ -500,7 +517,7 @@ async fn nats(pool: &PgPool, inbox: &Inbox<Postgres>, count: usize) -> Vec<(&'st
             }
         };
         eprintln!("  {label}: {}", counted(&stats()));
-        rows.push((label, per_second));
+        record(&mut rows, label, per_second);
     }
     rows
 }
@@ -514,6 +531,12 @@ fn medians(rounds: &[Vec<(&'static str, f64)>]) -> Vec<(&'static str, f64)> {
             (rounds[0][i].0, rates[rates.len() / 2])
         })
         .collect()
+}
+
+/// Adds a measurement to `rows`, and says so on stderr (a run takes minutes).
+fn record(rows: &mut Vec<(&'static str, f64)>, label: &'static str, per_second: f64) {
+    eprintln!("  {label}: {per_second:.0} msg/s");
+    rows.push((label, per_second));
 }
 
 fn arg(name: &str, default: usize) -> usize {
