@@ -534,6 +534,63 @@ pub async fn a_second_writer_of_an_ordering_key_waits_for_the_first_commit(h: im
     );
 }
 
+/// A handler queueing two messages of one ordering key, dropped after each of its first `n` polls
+/// that returned `Pending` (every await point of the claim, the body, the outgoing rows' writes
+/// and the commit), on an inbox whose pool has one connection: every message ends with its two
+/// rows, written once, and the key's numbers run 1, 2, … without a gap or a repeat (a dropped
+/// transaction's number goes back with it).
+pub async fn handler_with_an_outbox_dropped_at_every_await_point_writes_its_rows_once(
+    h: impl Harness,
+) {
+    let inbox = h.inbox_of_one();
+    let outgoing = || Outgoing {
+        count: 2,
+        ordering_key: Some("dropped".into()),
+        ..Outgoing::default()
+    };
+    let mut messages = 0;
+    for n in 1.. {
+        let msg = Delivery::new(&format!("dropped-{n}")).sending(outgoing());
+        let mut call = Box::pin(h.deliver_notifier_on(&inbox, &msg));
+        let mut pending = 0;
+        let finished = loop {
+            match futures::poll!(call.as_mut()) {
+                std::task::Poll::Ready(outcome) => break Some(outcome),
+                std::task::Poll::Pending if pending + 1 == n => break None,
+                std::task::Poll::Pending => {
+                    pending += 1;
+                    tokio::task::yield_now().await;
+                }
+            }
+        };
+        drop(call);
+        let again = Delivery::new(&msg.label).sending(outgoing());
+        let outcome = tokio::time::timeout(
+            Duration::from_secs(30),
+            h.deliver_notifier_on(&inbox, &again),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("after a drop at await point {n}, the pool of one hung"))
+        .unwrap_or_else(|error| panic!("after a drop at await point {n}: {error:?}"));
+        messages += 1;
+        assert_eq!(h.effects_of("notifier", &msg.label).await, 1, "{n}");
+        if let Some(finished) = finished {
+            assert!(finished.unwrap().is_processed());
+            assert!(outcome.is_duplicate(), "{outcome:?}");
+            break;
+        }
+    }
+    assert!(messages > 2, "the handler had only {messages} await points");
+    let rows = h.outbox_rows().await;
+    assert_eq!(rows.len(), 2 * messages, "rows written twice or lost");
+    let ids: HashSet<&str> = rows.iter().map(|row| row.0.as_str()).collect();
+    assert_eq!(ids.len(), rows.len(), "an id written twice");
+    let mut seqs: Vec<i64> = rows.iter().map(|row| row.3.expect("keyed")).collect();
+    seqs.sort_unstable();
+    let expected: Vec<i64> = (1..=rows.len() as i64).collect();
+    assert_eq!(seqs, expected, "the key's numbers have a gap or a repeat");
+}
+
 pub async fn poison_is_parked_never_blocks_the_rest_and_is_retryable_by_hand(h: impl Harness) {
     let poison = Outgoing {
         destination: "nowhere".into(),
