@@ -527,6 +527,7 @@ macro_rules! conformance_tests {
             outgoing_rows_commit_with_the_callers_own_transaction
             unusable_outgoing_message_fails_the_handler_and_commits_nothing
             handler_with_an_outbox_dropped_at_every_await_point_writes_its_rows_once
+            relay_batch_dropped_at_every_await_point_loses_no_row
             poison_is_parked_never_blocks_the_rest_and_is_retryable_by_hand
             unconfirmed_messages_stay_pending_without_counting_an_attempt
             sent_outgoing_rows_are_purged_after_the_outbox_retention

@@ -591,6 +591,67 @@ pub async fn handler_with_an_outbox_dropped_at_every_await_point_writes_its_rows
     assert_eq!(seqs, expected, "the key's numbers have a gap or a repeat");
 }
 
+/// A relay batch dropped after each of its first `n` polls that returned `Pending` (taking the rows,
+/// each publication, marking them, the commit), on an inbox whose pool has one connection: the
+/// pool of one keeps working, no row is lost, and every row ends sent; a row whose batch was
+/// dropped after the broker confirmed it may go out again (under its id), never one never sent.
+pub async fn relay_batch_dropped_at_every_await_point_loses_no_row(h: impl Harness) {
+    for i in 0..6 {
+        let msg = Delivery::new(&format!("m{i}")).sending(Outgoing::default());
+        assert!(h.deliver_notifier(&msg).await.unwrap().is_processed());
+    }
+    let inbox = h.inbox_of_one();
+    let recorder = Recorder::new(Duration::from_millis(1));
+    let options = RelayOptions::default().batch_size(3);
+    let mut drops = 0;
+    for n in 1.. {
+        let mut batch = Box::pin(inbox.relay_once(&recorder, &options));
+        let mut pending = 0;
+        let finished = loop {
+            match futures::poll!(batch.as_mut()) {
+                std::task::Poll::Ready(report) => break Some(report),
+                std::task::Poll::Pending if pending + 1 == n => break None,
+                std::task::Poll::Pending => {
+                    pending += 1;
+                    tokio::task::yield_now().await;
+                }
+            }
+        };
+        drop(batch);
+        match finished.map(|report| report.unwrap().taken) {
+            Some(0) => break,
+            Some(_) => {}
+            None => drops += 1,
+        }
+        assert!(n < 10_000, "the relay never finished a batch");
+    }
+    assert!(drops > 2, "the batch had only {drops} await points");
+    // The pool of one still works; rows a dropped batch held until the server saw its session end
+    // go out now.
+    tokio::time::timeout(
+        Duration::from_secs(30),
+        inbox.relay_once(&recorder, &options),
+    )
+    .await
+    .expect("the pool of one hung")
+    .unwrap();
+    drain(&h, &recorder, &options).await;
+    let rows = h.outbox_rows().await;
+    assert_eq!(rows.len(), 6);
+    assert!(
+        rows.iter().all(|row| row.4 == 1),
+        "a row is not marked sent"
+    );
+    let counts = recorder.counts();
+    for row in &rows {
+        assert!(
+            counts.get(&row.0).is_some_and(|n| *n >= 1),
+            "{} never published",
+            row.0
+        );
+    }
+}
+
 pub async fn poison_is_parked_never_blocks_the_rest_and_is_retryable_by_hand(h: impl Harness) {
     let poison = Outgoing {
         destination: "nowhere".into(),
