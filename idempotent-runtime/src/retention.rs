@@ -23,7 +23,9 @@ use crate::error::{InboxError, Stage};
 use crate::key::MessageKey;
 use crate::metrics::{Metrics, Purged};
 use crate::session::{Session, Source};
-use crate::store::{Backend, PurgeLock, PurgeScope, PurgeStatements, Statements, database_error};
+use crate::store::{
+    Backend, PurgeLock, PurgeScope, PurgeSql, PurgeStatements, Statements, database_error,
+};
 use crate::table::TableName;
 
 /// How long processed rows are kept: a default, and overrides per consumer.
@@ -310,61 +312,91 @@ async fn purge_locked<DB: Backend>(
                 .map_err(failed())?;
             session.end_step();
         }
+        let batches = Batches {
+            cutoff,
+            consumers,
+            size: batch,
+            pause,
+        };
         for (statement, kind) in [
             (&sql.rows, Purged::Inbox),
             (&sql.calls, Purged::Calls),
             (&sql.audit, Purged::Audit),
         ] {
-            loop {
-                let conn = session.start_step();
-                let deleted =
-                    DB::purge_step(conn, scope.statements, statement, cutoff, consumers, batch)
-                        .await
-                        .map_err(failed())?;
-                session.end_step();
-                *match kind {
-                    Purged::Inbox => &mut report.deleted,
-                    Purged::Calls => &mut report.calls_deleted,
-                    _ => &mut report.audit_deleted,
-                } += deleted;
-                report.batches += 1;
-                scope.metrics.purged(scope.table.as_str(), kind, deleted);
-                if deleted < batch as u64 {
-                    break;
-                }
-                if !pause.is_zero() {
-                    tokio::time::sleep(pause).await;
-                }
-            }
+            batches
+                .delete(&mut session, scope, statement, kind, &mut report)
+                .await?;
         }
     }
     // The outbox's sent messages, then the ordering keys with nothing left to send.
-    let cutoff = cutoff(now, millis(scope.retention.outbox));
+    let batches = Batches {
+        cutoff: cutoff(now, millis(scope.retention.outbox)),
+        consumers: &[],
+        size: batch,
+        pause,
+    };
     let outbox = &scope.statements.outbox;
     for (statement, kind) in [
         (&outbox.purge_sent, Purged::Outbox),
         (&outbox.purge_keys, Purged::OutboxKeys),
     ] {
+        batches
+            .delete(&mut session, scope, statement, kind, &mut report)
+            .await?;
+    }
+    Ok(report)
+}
+
+/// How one purge statement deletes: rows older than `cutoff` of `consumers` (all when the
+/// statement binds none), `size` at a time, `pause` between batches.
+struct Batches<'a> {
+    cutoff: i64,
+    consumers: &'a [String],
+    size: i64,
+    pause: Duration,
+}
+
+impl Batches<'_> {
+    /// Runs `statement` until a batch deletes fewer than `size` rows, counting what it deleted
+    /// as `kind` in `report` and the metrics.
+    async fn delete<DB: Backend>(
+        &self,
+        session: &mut Session<DB>,
+        scope: &Scope<'_>,
+        statement: &PurgeSql,
+        kind: Purged,
+        report: &mut PurgeReport,
+    ) -> Result<(), InboxError> {
         loop {
             let conn = session.start_step();
-            let deleted = DB::purge_step(conn, scope.statements, statement, cutoff, &[], batch)
-                .await
-                .map_err(failed())?;
+            let deleted = DB::purge_step(
+                conn,
+                scope.statements,
+                statement,
+                self.cutoff,
+                self.consumers,
+                self.size,
+            )
+            .await
+            .map_err(database_error(Stage::Purge))?;
             session.end_step();
-            if let Purged::Outbox = kind {
-                report.outbox_deleted += deleted;
+            match kind {
+                Purged::Inbox => report.deleted += deleted,
+                Purged::Calls => report.calls_deleted += deleted,
+                Purged::Audit => report.audit_deleted += deleted,
+                Purged::Outbox => report.outbox_deleted += deleted,
+                Purged::OutboxKeys => {}
             }
             report.batches += 1;
             scope.metrics.purged(scope.table.as_str(), kind, deleted);
-            if deleted < batch as u64 {
-                break;
+            if deleted < self.size as u64 {
+                return Ok(());
             }
-            if !pause.is_zero() {
-                tokio::time::sleep(pause).await;
+            if !self.pause.is_zero() {
+                tokio::time::sleep(self.pause).await;
             }
         }
     }
-    Ok(report)
 }
 
 /// What a purge would delete now, per consumer, without deleting anything.

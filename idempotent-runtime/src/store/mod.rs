@@ -41,7 +41,9 @@ pub(crate) use outbox::{
     ShownRow,
 };
 pub(crate) use queries::{Queries, begin_alone, end_alone};
-pub(crate) use statements::{CallId, CallRow, Dialect, PurgeScope, PurgeStatements, Statements};
+pub(crate) use statements::{
+    CallId, CallRow, Dialect, PurgeScope, PurgeSql, PurgeStatements, Statements,
+};
 
 /// A database the inbox can live in: [`sqlx::Postgres`], [`sqlx::Sqlite`] and [`sqlx::MySql`]
 /// (with the `postgres`, `sqlite` and `mysql` features). Sealed: what it requires is the inbox's
