@@ -114,6 +114,25 @@ pub async fn body_that_ends_the_transaction_is_never_reported_processed(h: impl 
     }
 }
 
+/// Polls `future` until it is ready, or drops it at its `n`th poll that returns `Pending`: its
+/// output, or `None` when it was dropped.
+pub async fn run_until_pending<F: std::future::Future>(future: F, n: usize) -> Option<F::Output> {
+    let mut future = std::pin::pin!(future);
+    for _ in 1..n {
+        match futures::poll!(future.as_mut()) {
+            Poll::Ready(output) => return Some(output),
+            // Not a sleep: a sleep lets the server's answers arrive, and the next poll then runs
+            // through several await points at once, leaving them uncovered (on a fast machine the
+            // whole call could finish in two polls).
+            Poll::Pending => tokio::task::yield_now().await,
+        }
+    }
+    match futures::poll!(future.as_mut()) {
+        Poll::Ready(output) => Some(output),
+        Poll::Pending => None,
+    }
+}
+
 /// A handler future dropped after each of its first `n` polls that returned `Pending` (so at every
 /// await point of the claim, the body's statements and the commit), on an inbox whose pool has one
 /// connection: the connection is never handed back in an unknown state, so the next delivery on
@@ -123,22 +142,7 @@ pub async fn handler_dropped_at_every_await_point_leaves_a_pool_of_one_working(h
     let mut drops = 0;
     for n in 1.. {
         let msg = Delivery::new(&format!("dropped-{n}"));
-        let mut call = Box::pin(h.deliver_on(&inbox, Consumer::Savepoints, &msg));
-        let mut pending = 0;
-        let finished = loop {
-            match futures::poll!(call.as_mut()) {
-                Poll::Ready(outcome) => break Some(outcome),
-                Poll::Pending if pending + 1 == n => break None,
-                Poll::Pending => {
-                    pending += 1;
-                    // Not a sleep: a sleep lets the server's answers arrive, and the next poll then
-                    // runs through several await points at once, leaving them uncovered (on a fast
-                    // machine the whole call could finish in two polls).
-                    tokio::task::yield_now().await;
-                }
-            }
-        };
-        drop(call);
+        let finished = run_until_pending(h.deliver_on(&inbox, Consumer::Savepoints, &msg), n).await;
         let outcome = tokio::time::timeout(HANG, h.deliver_on(&inbox, Consumer::Savepoints, &msg))
             .await
             .unwrap_or_else(|_| panic!("after a drop at await point {n}, the pool of one hung"))

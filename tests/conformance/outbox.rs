@@ -16,6 +16,7 @@ use idempotent::outbox::{
 };
 use idempotent::{Error, InboxError, message_key};
 
+use super::run_until_pending;
 use crate::support::{Behaviour, Delivery, Harness, Outgoing};
 
 /// A broker that records every publication, checks that no message and no ordering key is ever in
@@ -551,19 +552,7 @@ pub async fn handler_with_an_outbox_dropped_at_every_await_point_writes_its_rows
     let mut messages = 0;
     for n in 1.. {
         let msg = Delivery::new(&format!("dropped-{n}")).sending(outgoing());
-        let mut call = Box::pin(h.deliver_notifier_on(&inbox, &msg));
-        let mut pending = 0;
-        let finished = loop {
-            match futures::poll!(call.as_mut()) {
-                std::task::Poll::Ready(outcome) => break Some(outcome),
-                std::task::Poll::Pending if pending + 1 == n => break None,
-                std::task::Poll::Pending => {
-                    pending += 1;
-                    tokio::task::yield_now().await;
-                }
-            }
-        };
-        drop(call);
+        let finished = run_until_pending(h.deliver_notifier_on(&inbox, &msg), n).await;
         let again = Delivery::new(&msg.label).sending(outgoing());
         let outcome = tokio::time::timeout(
             Duration::from_secs(30),
@@ -605,19 +594,7 @@ pub async fn relay_batch_dropped_at_every_await_point_loses_no_row(h: impl Harne
     let options = RelayOptions::default().batch_size(3);
     let mut drops = 0;
     for n in 1.. {
-        let mut batch = Box::pin(inbox.relay_once(&recorder, &options));
-        let mut pending = 0;
-        let finished = loop {
-            match futures::poll!(batch.as_mut()) {
-                std::task::Poll::Ready(report) => break Some(report),
-                std::task::Poll::Pending if pending + 1 == n => break None,
-                std::task::Poll::Pending => {
-                    pending += 1;
-                    tokio::task::yield_now().await;
-                }
-            }
-        };
-        drop(batch);
+        let finished = run_until_pending(inbox.relay_once(&recorder, &options), n).await;
         match finished.map(|report| report.unwrap().taken) {
             Some(0) => break,
             Some(_) => {}
