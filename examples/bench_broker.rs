@@ -336,15 +336,7 @@ async fn rabbitmq(
         rate(batch.len(), start.elapsed()),
     );
 
-    for (label, workers, batches) in [
-        ("runner, 1 worker", 1, None),
-        ("runner, 8 workers", 8, None),
-        (
-            "batches of 50, 8 workers",
-            8,
-            Some(Batches::new(50, Duration::from_millis(5))),
-        ),
-    ] {
+    for (label, workers, batches) in runner_cases() {
         reset(pool).await;
         let batch = messages(count, true);
         let queue = fill_queue(&channel, &batch).await;
@@ -487,15 +479,7 @@ async fn nats(pool: &PgPool, inbox: &Inbox<Postgres>, count: usize) -> Vec<(&'st
         rate(batch.len(), start.elapsed()),
     );
 
-    for (label, workers, batches) in [
-        ("runner, 1 worker", 1, None),
-        ("runner, 8 workers", 8, None),
-        (
-            "batches of 50, 8 workers",
-            8,
-            Some(Batches::new(50, Duration::from_millis(5))),
-        ),
-    ] {
+    for (label, workers, batches) in runner_cases() {
         reset(pool).await;
         let batch = messages(count, false);
         let (jetstream, consumer, dead) = nats_stream(&batch).await;
@@ -520,6 +504,19 @@ async fn nats(pool: &PgPool, inbox: &Inbox<Postgres>, count: usize) -> Vec<(&'st
         record(&mut rows, label, per_second);
     }
     rows
+}
+
+/// The runner's measurements, the same on each broker: a label, the workers, batch mode or not.
+fn runner_cases() -> [(&'static str, usize, Option<Batches>); 3] {
+    [
+        ("runner, 1 worker", 1, None),
+        ("runner, 8 workers", 8, None),
+        (
+            "batches of 50, 8 workers",
+            8,
+            Some(Batches::new(50, Duration::from_millis(5))),
+        ),
+    ]
 }
 
 /// Each measurement's median over the rounds.
