@@ -121,11 +121,14 @@ pub enum InboxError {
     /// that may fail run in a nested transaction (`tx.begin()`, a savepoint) to carry on after it.
     #[error("a statement of the handler failed and the handler carried on; nothing was committed")]
     TransactionAborted,
-    /// When the inbox came to commit, the handler's transaction was no longer the one it began:
+    /// When the inbox came to end the handler's transaction, it was no longer the one it began:
     /// the body ended it (its own `COMMIT` or `ROLLBACK`; on MySQL any statement that commits
-    /// implicitly, such as `BEGIN`, `CREATE TABLE` or `TRUNCATE`), or the database rolled it back
-    /// under the body (a deadlock the body ignored). Whatever was open then was rolled back.
-    /// Retryable only when nothing of the message can have been committed.
+    /// implicitly, such as `BEGIN`, `CREATE TABLE`, `TRUNCATE` or `SET autocommit = 1`), or the
+    /// database rolled it back under the body (a deadlock the body ignored). Whatever was open
+    /// then was rolled back. Reported whether the body returned `Ok` or its own error (an error
+    /// whose sources show the database rolled the transaction back, with the key not committed,
+    /// stays [`Error::Transient`]), so that a consumer never acknowledges or retries such a
+    /// message blindly. Retryable only when nothing of the message can have been committed.
     #[error(
         "the handler's transaction ended before the inbox could commit it{}",
         if *key_committed { "; the key was committed with part of the work" } else { "" }
@@ -135,9 +138,10 @@ pub enum InboxError {
         /// transaction: a redelivery is a duplicate, though the effect may be incomplete.
         key_committed: bool,
         /// Writes the body made after the end could not commit on their own, and were rolled
-        /// back: on MySQL and MariaDB autocommit is off around the inbox's transaction, SQLite's
-        /// commit hook refuses their commits. On PostgreSQL a write after the body's own `COMMIT`
-        /// or `ROLLBACK` commits on its own: this is `false` there.
+        /// back: on MySQL and MariaDB autocommit is off around the inbox's transaction (unless the
+        /// body turned it on: `SET autocommit = 1` commits what is open, and each write after it),
+        /// SQLite's commit hook refuses their commits. On PostgreSQL a write after the body's own
+        /// `COMMIT` or `ROLLBACK` commits on its own: this is `false` there.
         later_writes_refused: bool,
     },
     /// Another attempt holds a live lease on this call to an outside service; try again after

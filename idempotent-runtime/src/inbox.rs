@@ -16,7 +16,9 @@ use crate::outbox::message::{self as outgoing, Outbox};
 use crate::retention::{self, Expired, PurgeReport, Purger, PurgerOptions, Retention};
 use crate::schema::{self, Migration};
 use crate::session::{Session, Source, Spares, Worker};
-use crate::store::{Backend, Ending, HandlerConnection, Statements, database_error, fault_of};
+use crate::store::{
+    Backend, Ending, HandlerConnection, RolledBack, Statements, database_error, fault_of,
+};
 use crate::table::TableName;
 use crate::transaction::{BeginError, ClaimOutcome, InboxTransaction, Resources};
 
@@ -727,17 +729,32 @@ impl<DB: Backend> Claimed<DB> {
         self.metrics.message(&self.consumer, Outcome::RolledBack, 1);
         tracing::Span::current().record("outcome", "rolled back");
         tracing::debug!(consumer = %self.consumer, key = %self.key.digest(), ?fault, "handler failed; rolled back");
-        let rolled_back = if fault == Fault::Broken {
+        if fault == Fault::Broken {
             // The connection is lost, or its prepared statements are: close it.
             self.tx.rollback_and_close().await;
-            false
-        } else {
-            self.tx.rollback().await.is_ok()
+            return Err(Error::Transient(error));
+        }
+        let (session, later_writes_refused) = match self.tx.rollback_checked().await {
+            Ok((RolledBack::Own, _)) if fault == Fault::None => return Err(Error::Handler(error)),
+            Ok((RolledBack::Own, _)) | Err(_) => return Err(Error::Transient(error)),
+            Ok((
+                RolledBack::Replaced {
+                    later_writes_refused,
+                },
+                session,
+            )) => (session, later_writes_refused),
         };
-        if fault == Fault::None && rolled_back {
-            Err(Error::Handler(error))
-        } else {
-            Err(Error::Transient(error))
+        // The body ended the inbox's transaction before it failed (or the database did, as the
+        // failure it returns says).
+        let claim = (&self.config.statements, &*self.consumer, &self.key);
+        match ended_by_body(session, Some(claim), later_writes_refused).await {
+            // Rolled back under a body whose error says why (a deadlock): nothing was committed,
+            // retryable.
+            InboxError::TransactionEnded {
+                key_committed: false,
+                ..
+            } if fault != Fault::None => Err(Error::Transient(error)),
+            ended => Err(Error::Inbox(ended)),
         }
     }
 
@@ -825,26 +842,37 @@ pub(crate) async fn commit<DB: Backend>(
     Err(match tx.commit().await {
         Ok((Ending::Committed, _)) => return Ok(()),
         Ok((Ending::Aborted, _)) => InboxError::TransactionAborted,
-        Ok((Ending::Replaced, mut session)) => {
-            // The body ended the transaction: find out whether it took the claim with it.
-            let committed = match claim {
-                Some((statements, consumer, key)) => {
-                    let row =
-                        DB::stored(session.start_step(), statements, consumer, key.as_bytes())
-                            .await;
-                    session.end_step();
-                    // Unknown counts as committed: a redelivery is then at worst a duplicate.
-                    row.map_or(true, |row| row.is_some())
-                }
-                None => true,
-            };
-            InboxError::TransactionEnded {
-                key_committed: committed,
-                later_writes_refused: DB::REFUSES_LATER_WRITES,
-            }
-        }
+        Ok((
+            Ending::Replaced {
+                later_writes_refused,
+            },
+            session,
+        )) => ended_by_body(session, claim, later_writes_refused).await,
         Ok((Ending::Refused(error), _)) | Err(error) => database_error(Stage::Commit)(error),
     })
+}
+
+/// The error for a transaction the body ended (its own `COMMIT` or `ROLLBACK`, a statement that
+/// commits implicitly) before the inbox could end it, read on `session`: whether it took `claim`
+/// with it. Without a claim to look for, the transaction counts as having committed its claims.
+async fn ended_by_body<DB: Backend>(
+    mut session: Session<DB>,
+    claim: Option<(&Statements, &str, &MessageKey)>,
+    later_writes_refused: bool,
+) -> InboxError {
+    let key_committed = match claim {
+        Some((statements, consumer, key)) => {
+            let row = DB::stored(session.start_step(), statements, consumer, key.as_bytes()).await;
+            session.end_step();
+            // Unknown counts as committed: a redelivery is then at worst a duplicate.
+            row.map_or(true, |row| row.is_some())
+        }
+        None => true,
+    };
+    InboxError::TransactionEnded {
+        key_committed,
+        later_writes_refused,
+    }
 }
 
 /// Decodes a stored response.

@@ -27,7 +27,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::error::Fault;
 use crate::session::{Session, Source};
-use crate::store::{Backend, Ending, Statements, fault_of};
+use crate::store::{Backend, Ending, RolledBack, Statements, fault_of};
 
 /// How long a transaction waits in the writers' queue before it goes on to the database's lock.
 const WRITERS_QUEUE_PATIENCE: Duration = Duration::from_secs(5);
@@ -290,6 +290,25 @@ impl<DB: Backend> InboxTransaction<DB> {
     pub(crate) async fn rollback(mut self) -> Result<Session<DB>, sqlx::Error> {
         self.end_in_rollback().await?;
         Ok(self.release())
+    }
+
+    /// Rolls back after a body failed, and says whether what it rolled back was still the
+    /// transaction the inbox began. When the rollback fails, the connection is closed.
+    pub(crate) async fn rollback_checked(
+        mut self,
+    ) -> Result<(RolledBack, Session<DB>), sqlx::Error> {
+        let conn = self.session.start_step();
+        match DB::rollback_checked(conn, &self.watch).await {
+            Ok(rolled_back) => {
+                self.session.end_step();
+                Ok((rolled_back, self.release()))
+            }
+            Err(error) => {
+                tracing::warn!(%error, "rollback failed; the connection is closed");
+                self.session.discard();
+                Err(error)
+            }
+        }
     }
 
     /// Rolls back, and closes the connection whatever happens: a handler's error said the

@@ -114,6 +114,76 @@ pub async fn body_that_ends_the_transaction_is_never_reported_processed(h: impl 
     }
 }
 
+/// A body that runs a statement that may end the transaction (`ROLLBACK`, `COMMIT`, `BEGIN`,
+/// `START TRANSACTION`, `SET autocommit = 1`: each backend ends it on some of them, and ignores or
+/// refuses the others), writes on, and then returns `Ok` or its own error: whatever the outcome,
+/// it tells the truth about what was committed. `Processed` only with the whole effect and the key;
+/// the handler's own error (or a retryable one) only with nothing committed, so that the retry runs
+/// the body once more; otherwise `TransactionEnded`, whose `key_committed` says what a redelivery
+/// will find. On the error path as on the success path.
+pub async fn body_that_ends_the_transaction_is_reported_truthfully_on_every_path(h: impl Harness) {
+    let endings: [(&str, &[&'static str]); 6] = [
+        ("rollback", &["ROLLBACK"]),
+        ("commit", &["COMMIT"]),
+        ("commit-begin", &["COMMIT", "BEGIN"]),
+        ("begin", &["BEGIN"]),
+        ("start", &["START TRANSACTION"]),
+        ("autocommit", &["SET autocommit = 1"]),
+    ];
+    for (ending, end) in endings {
+        for fails in [false, true] {
+            let label = format!("truth-{ending}-{}", if fails { "err" } else { "ok" });
+            let mut steps = vec![Step::Effect("before")];
+            steps.extend(end.iter().map(|sql| Step::Sql(sql)));
+            steps.push(Step::Effect("after"));
+            if fails {
+                steps.push(Step::Fail);
+            }
+            let msg = Delivery::new(&label).behaving(Behaviour::Script(steps));
+            let outcome = h.deliver(Consumer::Orders, &msg).await;
+            let processed = h.inbox().is_processed("orders", &label).await.unwrap();
+            let before = h.effects_of("before", &label).await;
+            let after = h.effects_of("after", &label).await;
+            let facts = format!(
+                "{label}: {outcome:?}; key committed: {processed}, effects before/after the end: {before}/{after}"
+            );
+            let key_committed = match outcome {
+                Ok(Handled::Processed(())) => {
+                    assert!(!fails, "{facts}: a failed body reported processed");
+                    assert!(processed && before == 1 && after == 1, "{facts}");
+                    true
+                }
+                Err(Error::Inbox(InboxError::TransactionEnded {
+                    key_committed,
+                    later_writes_refused,
+                })) => {
+                    assert_eq!(key_committed, processed, "{facts}");
+                    assert_eq!(before, i64::from(key_committed), "{facts}");
+                    if later_writes_refused {
+                        assert_eq!(after, 0, "{facts}");
+                    }
+                    key_committed
+                }
+                Err(Error::Inbox(InboxError::TransactionAborted))
+                | Err(Error::Handler(_))
+                | Err(Error::Transient(_)) => {
+                    // A plain failure: nothing may have been committed, so that the retry reruns
+                    // the whole body.
+                    assert!(!processed && before == 0 && after == 0, "{facts}");
+                    false
+                }
+                Ok(Handled::Duplicate { .. }) | Err(_) => panic!("{facts}"),
+            };
+            let retry = h.deliver(Consumer::Orders, &Delivery::new(&label)).await;
+            match retry {
+                Ok(Handled::Duplicate { .. }) => assert!(key_committed, "{facts}"),
+                Ok(Handled::Processed(())) => assert!(!key_committed, "{facts}"),
+                other => panic!("{facts}: the redelivery failed: {other:?}"),
+            }
+        }
+    }
+}
+
 /// Polls `future` until it is ready, or drops it at its `n`th poll that returns `Pending`: its
 /// output, or `None` when it was dropped.
 pub async fn run_until_pending<F: std::future::Future>(future: F, n: usize) -> Option<F::Output> {

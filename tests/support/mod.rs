@@ -78,6 +78,8 @@ pub enum Step {
     Sql(&'static str),
     /// Writes an effect for this consumer name and the message's label.
     Effect(&'static str),
+    /// Returns the handler's own error here (the steps after it do not run).
+    Fail,
 }
 
 impl Delivery {
@@ -320,6 +322,7 @@ macro_rules! effect_handlers {
                                 .execute(&mut *tx)
                                 .await
                         }
+                        crate::support::Step::Fail => return Err(TestError::Failed),
                     };
                 }
                 return Ok(());

@@ -63,7 +63,7 @@ pub trait HandlerConnection {
     type Backend: Backend;
 }
 
-pub(crate) use private::{Ending, Store};
+pub(crate) use private::{Ending, RolledBack, Store};
 
 mod private {
     use super::*;
@@ -78,10 +78,25 @@ mod private {
         Aborted,
         /// It was no longer the one the inbox began (the body, or the database, ended it); whatever
         /// was open instead is rolled back.
-        Replaced,
+        Replaced {
+            /// Writes the body made after the end could not commit on their own.
+            later_writes_refused: bool,
+        },
         /// The database refused the commit (a Galera certification conflict, a full disk):
         /// nothing was committed, and the connection is fine.
         Refused(sqlx::Error),
+    }
+
+    /// Whose transaction [`Store::rollback_checked`] rolled back.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum RolledBack {
+        /// The one the inbox began.
+        Own,
+        /// Another, or none: the body (or the database) had ended the inbox's transaction.
+        Replaced {
+            /// Writes the body made after the end could not commit on their own.
+            later_writes_refused: bool,
+        },
     }
 
     /// Everything a backend answers for. Not nameable outside the crate.
@@ -97,10 +112,6 @@ mod private {
         /// (SQLite: the step completes in the connection's worker thread, and a `BEGIN` nobody
         /// saw is rolled back there); elsewhere such a connection is closed.
         const CANCEL_SAFE: bool = false;
-
-        /// Writes a body makes after its transaction ended under it (its own `COMMIT` or
-        /// `ROLLBACK`, a deadlock it ignored) cannot commit on their own.
-        const REFUSES_LATER_WRITES: bool = false;
 
         /// Begins the handler's transaction, together with whatever lets [`commit`](Store::commit)
         /// tell later that the transaction is still the one the inbox began.
@@ -155,6 +166,14 @@ mod private {
             conn: &mut Self::Connection,
             watch: &Self::Watch,
         ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+
+        /// Rolls back as [`rollback`](Store::rollback) does, after a body that failed, and says
+        /// whether what it rolled back was still the transaction the inbox began (the check
+        /// [`commit`](Store::commit) makes; one more round trip on PostgreSQL, none elsewhere).
+        fn rollback_checked(
+            conn: &mut Self::Connection,
+            watch: &Self::Watch,
+        ) -> impl Future<Output = Result<RolledBack, sqlx::Error>> + Send;
 
         /// What this backend's database error says about retrying; `None` when `error` is not
         /// this backend's.

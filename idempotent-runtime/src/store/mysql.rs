@@ -56,7 +56,9 @@ use sqlx::mysql::{MySqlConnection, MySqlDatabaseError, MySqlTransactionManager};
 use sqlx::{AssertSqlSafe, Executor, MySql};
 use sqlx_core::transaction::TransactionManager;
 
-use super::{Backend, Dialect, Ending, HandlerConnection, OutboxDialect, Statements, Store};
+use super::{
+    Backend, Dialect, Ending, HandlerConnection, OutboxDialect, RolledBack, Statements, Store,
+};
 use crate::error::Fault;
 use crate::table::TableName;
 
@@ -74,6 +76,10 @@ const COMMIT: &str = "RELEASE SAVEPOINT idempotent_claim; COMMIT; SET autocommit
 
 /// Rolls back whatever is open, and sets the session back.
 const ROLLBACK: &str = "ROLLBACK; SET autocommit = 1";
+
+/// Rolls back what is open and sets the session back, once the savepoint shows that it is the
+/// transaction the inbox began.
+const CHECKED_ROLLBACK: &str = "RELEASE SAVEPOINT idempotent_claim; ROLLBACK; SET autocommit = 1";
 
 /// `SAVEPOINT … does not exist`: the transaction is not the one that set it.
 const ER_SP_DOES_NOT_EXIST: u16 = 1305;
@@ -106,8 +112,6 @@ impl Store for MySql {
         },
     };
 
-    const REFUSES_LATER_WRITES: bool = true;
-
     const BEGIN: &'static str = "SET autocommit = 0; START TRANSACTION; SAVEPOINT idempotent_claim";
 
     type Settings = ();
@@ -126,21 +130,43 @@ impl Store for MySql {
             }
             Err(error) => error,
         };
-        let ending = match error.as_database_error() {
-            None => return Err(error),
-            Some(database) => match database.try_downcast_ref::<MySqlDatabaseError>() {
-                Some(mysql) if mysql.number() == ER_SP_DOES_NOT_EXIST => Ending::Replaced,
-                // The server answered the `COMMIT` (a Galera certification conflict): it is not
-                // committed.
-                _ => Ending::Refused(error),
-            },
-        };
-        end(conn).await?;
-        Ok(ending)
+        match number(&error) {
+            None => Err(error),
+            Some(ER_SP_DOES_NOT_EXIST) => Ok(Ending::Replaced {
+                later_writes_refused: end_replaced(conn).await?,
+            }),
+            // The server answered the `COMMIT` (a Galera certification conflict): it is not
+            // committed.
+            Some(_) => {
+                end(conn).await?;
+                Ok(Ending::Refused(error))
+            }
+        }
     }
 
     async fn rollback(conn: &mut MySqlConnection, _watch: &()) -> Result<(), sqlx::Error> {
         end(conn).await
+    }
+
+    async fn rollback_checked(
+        conn: &mut MySqlConnection,
+        _watch: &(),
+    ) -> Result<RolledBack, sqlx::Error> {
+        // The release fails when the transaction is not the one that set the savepoint (one a
+        // statement of the body committed implicitly, or the server rolled back); then nothing
+        // after it in the message runs.
+        match conn.execute(CHECKED_ROLLBACK).await {
+            Ok(_) => {
+                forget_transaction(conn);
+                Ok(RolledBack::Own)
+            }
+            Err(error) if number(&error) == Some(ER_SP_DOES_NOT_EXIST) => {
+                Ok(RolledBack::Replaced {
+                    later_writes_refused: end_replaced(conn).await?,
+                })
+            }
+            Err(error) => Err(error),
+        }
     }
 
     fn fault(error: &dyn sqlx::error::DatabaseError) -> Option<Fault> {
@@ -357,6 +383,17 @@ impl Store for MySql {
 fn number(error: &sqlx::Error) -> Option<u16> {
     let database = error.as_database_error()?;
     Some(database.try_downcast_ref::<MySqlDatabaseError>()?.number())
+}
+
+/// Ends a transaction that replaced the inbox's as [`end`] does, and says whether writes made
+/// after the inbox's ended could not commit on their own: autocommit was still off (a body's
+/// `SET autocommit = 1` commits what is open, and every write after it).
+async fn end_replaced(conn: &mut MySqlConnection) -> Result<bool, sqlx::Error> {
+    let autocommit: i64 = sqlx::query_scalar("SELECT @@autocommit")
+        .fetch_one(&mut *conn)
+        .await?;
+    end(conn).await?;
+    Ok(autocommit == 0)
 }
 
 /// Rolls back whatever is open and turns autocommit back on.

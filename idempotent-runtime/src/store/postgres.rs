@@ -65,7 +65,9 @@ use sqlx::postgres::{PgConnection, PgDatabaseError, PgTransactionManager};
 use sqlx::{AssertSqlSafe, Executor, PgPool, Postgres, Row, SqlSafeStr};
 use sqlx_core::transaction::TransactionManager;
 
-use super::{Backend, Dialect, Ending, HandlerConnection, OutboxDialect, Statements, Store};
+use super::{
+    Backend, Dialect, Ending, HandlerConnection, OutboxDialect, RolledBack, Statements, Store,
+};
 use crate::error::Fault;
 use crate::key::hex;
 use crate::table::TableName;
@@ -165,19 +167,15 @@ impl Store for Postgres {
     }
 
     async fn commit(conn: &mut PgConnection, _watch: &()) -> Result<Ending, sqlx::Error> {
-        // Unprepared: a body's `DEALLOCATE ALL` cannot leave it stale in sqlx's statement cache.
-        let mark = sqlx::raw_sql("SELECT current_setting('idempotent.claim', true)")
-            .fetch_one(&mut *conn)
-            .await
-            .and_then(|row| row.try_get::<Option<String>, _>(0));
-        let ending = match mark {
-            Ok(Some(mark)) if mark == "on" => {
+        let ending = match mark(conn).await? {
+            Mark::Set => {
                 PgTransactionManager::commit(conn).await?;
                 return Ok(Ending::Committed);
             }
-            Ok(_) => Ending::Replaced,
-            Err(error) if sqlstate(&error) == Some("25P02") => Ending::Aborted,
-            Err(error) => return Err(error),
+            Mark::Gone => Ending::Replaced {
+                later_writes_refused: false,
+            },
+            Mark::Aborted => Ending::Aborted,
         };
         // Ends what is open: the aborted transaction, one the body began, or (if nothing is open)
         // only sqlx's count of it.
@@ -187,6 +185,22 @@ impl Store for Postgres {
 
     async fn rollback(conn: &mut PgConnection, _watch: &()) -> Result<(), sqlx::Error> {
         PgTransactionManager::rollback(conn).await
+    }
+
+    async fn rollback_checked(
+        conn: &mut PgConnection,
+        _watch: &(),
+    ) -> Result<RolledBack, sqlx::Error> {
+        let rolled_back = match mark(conn).await? {
+            // An aborted transaction is taken for the inbox's: a body that ended it, began
+            // another and failed in that one cannot be told apart.
+            Mark::Set | Mark::Aborted => RolledBack::Own,
+            Mark::Gone => RolledBack::Replaced {
+                later_writes_refused: false,
+            },
+        };
+        PgTransactionManager::rollback(conn).await?;
+        Ok(rolled_back)
     }
 
     fn fault(error: &dyn sqlx::error::DatabaseError) -> Option<Fault> {
@@ -545,5 +559,30 @@ mod tests {
         for code in ["23505", "42P01", "22P02", "42501"] {
             assert_eq!(fault_of_code(code), Fault::None, "{code}");
         }
+    }
+}
+
+/// What [`mark`] found of the mark the inbox's `BEGIN` sets.
+enum Mark {
+    /// Set: the open transaction is the one the inbox began.
+    Set,
+    /// Gone: the body ended that transaction (and may have begun another).
+    Gone,
+    /// The transaction is aborted (a statement failed in it): the mark cannot be read.
+    Aborted,
+}
+
+/// Reads the mark of the inbox's transaction (`SET LOCAL idempotent.claim`), which ends with it.
+/// Unprepared: a body's `DEALLOCATE ALL` cannot leave it stale in sqlx's statement cache.
+async fn mark(conn: &mut PgConnection) -> Result<Mark, sqlx::Error> {
+    let mark = sqlx::raw_sql("SELECT current_setting('idempotent.claim', true)")
+        .fetch_one(&mut *conn)
+        .await
+        .and_then(|row| row.try_get::<Option<String>, _>(0));
+    match mark {
+        Ok(Some(mark)) if mark == "on" => Ok(Mark::Set),
+        Ok(_) => Ok(Mark::Gone),
+        Err(error) if sqlstate(&error) == Some("25P02") => Ok(Mark::Aborted),
+        Err(error) => Err(error),
     }
 }

@@ -44,7 +44,9 @@ use sqlx::sqlite::{
 use sqlx::{AssertSqlSafe, Executor, SqlSafeStr, Sqlite};
 use sqlx_core::transaction::TransactionManager;
 
-use super::{Backend, Dialect, Ending, HandlerConnection, OutboxDialect, Statements, Store};
+use super::{
+    Backend, Dialect, Ending, HandlerConnection, OutboxDialect, RolledBack, Statements, Store,
+};
 use crate::error::Fault;
 use crate::table::TableName;
 
@@ -122,8 +124,6 @@ impl Store for Sqlite {
         },
     };
 
-    const REFUSES_LATER_WRITES: bool = true;
-
     const BEGIN: &'static str = "BEGIN IMMEDIATE";
 
     type Settings = ();
@@ -152,7 +152,10 @@ impl Store for Sqlite {
         let hooks = &watch.0;
         if hooks.rolled_back.load(Ordering::SeqCst) {
             resync(conn).await?;
-            return Ok(Ending::Replaced);
+            // The commit hook refuses every commit but the inbox's while the transaction is open.
+            return Ok(Ending::Replaced {
+                later_writes_refused: true,
+            });
         }
         hooks.committing.store(true, Ordering::SeqCst);
         let committed = SqliteTransactionManager::commit(conn).await;
@@ -172,6 +175,22 @@ impl Store for Sqlite {
             return resync(conn).await;
         }
         SqliteTransactionManager::rollback(conn).await
+    }
+
+    async fn rollback_checked(
+        conn: &mut SqliteConnection,
+        watch: &Watch,
+    ) -> Result<RolledBack, sqlx::Error> {
+        // The hooks saw the inbox's transaction end under the body (its commits are refused).
+        let replaced = watch.0.rolled_back.load(Ordering::SeqCst);
+        Self::rollback(conn, watch).await?;
+        Ok(if replaced {
+            RolledBack::Replaced {
+                later_writes_refused: true,
+            }
+        } else {
+            RolledBack::Own
+        })
     }
 
     fn fault(error: &dyn sqlx::error::DatabaseError) -> Option<Fault> {
