@@ -17,7 +17,7 @@
 //! median round, its latencies those of all its rounds.
 //!
 //! ```text
-//! IDEMPOTENT_PG_URL=postgres://postgres@127.0.0.1:54329/postgres \
+//! IDEMPOTENT_PG_URL=postgres://postgres@127.0.0.1:25432/postgres \
 //!   cargo run --release --example bench_http --features http,postgres
 //! ```
 
