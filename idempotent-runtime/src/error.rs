@@ -126,9 +126,9 @@ pub enum InboxError {
     /// implicitly, such as `BEGIN`, `CREATE TABLE`, `TRUNCATE` or `SET autocommit = 1`), or the
     /// database rolled it back under the body (a deadlock the body ignored). Whatever was open
     /// then was rolled back. Reported whether the body returned `Ok` or its own error (an error
-    /// whose sources show the database rolled the transaction back, with the key not committed,
-    /// stays [`Error::Transient`]), so that a consumer never acknowledges or retries such a
-    /// message blindly. Retryable only when nothing of the message can have been committed.
+    /// whose sources show that the database failed under the body, a deadlock or a lost
+    /// connection, stays [`Error::Transient`]), so that a consumer never acknowledges or retries
+    /// such a message blindly. Retryable only when nothing of the message can have been committed.
     #[error(
         "the handler's transaction ended before the inbox could commit it{}",
         if *key_committed { "; the key was committed with part of the work" } else { "" }

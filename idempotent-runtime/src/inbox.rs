@@ -729,14 +729,24 @@ impl<DB: Backend> Claimed<DB> {
         self.metrics.message(&self.consumer, Outcome::RolledBack, 1);
         tracing::Span::current().record("outcome", "rolled back");
         tracing::debug!(consumer = %self.consumer, key = %self.key.digest(), ?fault, "handler failed; rolled back");
-        if fault == Fault::Broken {
-            // The connection is lost, or its prepared statements are: close it.
-            self.tx.rollback_and_close().await;
-            return Err(Error::Transient(error));
+        match fault {
+            Fault::None => {}
+            // The database failed under the body (a deadlock, a Galera conflict, a lost
+            // connection): it ended the transaction, not the body, and a key found committed
+            // now would be a concurrent copy's. Retryable.
+            Fault::Broken => {
+                // The connection is lost, or its prepared statements are: close it.
+                self.tx.rollback_and_close().await;
+                return Err(Error::Transient(error));
+            }
+            _ => {
+                let _ = self.tx.rollback().await;
+                return Err(Error::Transient(error));
+            }
         }
         let (session, later_writes_refused) = match self.tx.rollback_checked().await {
-            Ok((RolledBack::Own, _)) if fault == Fault::None => return Err(Error::Handler(error)),
-            Ok((RolledBack::Own, _)) | Err(_) => return Err(Error::Transient(error)),
+            Ok((RolledBack::Own, _)) => return Err(Error::Handler(error)),
+            Err(_) => return Err(Error::Transient(error)),
             Ok((
                 RolledBack::Replaced {
                     later_writes_refused,
@@ -744,18 +754,11 @@ impl<DB: Backend> Claimed<DB> {
                 session,
             )) => (session, later_writes_refused),
         };
-        // The body ended the inbox's transaction before it failed (or the database did, as the
-        // failure it returns says).
+        // The body ended the inbox's transaction itself before it failed.
         let claim = (&self.config.statements, &*self.consumer, &self.key);
-        match ended_by_body(session, Some(claim), later_writes_refused).await {
-            // Rolled back under a body whose error says why (a deadlock): nothing was committed,
-            // retryable.
-            InboxError::TransactionEnded {
-                key_committed: false,
-                ..
-            } if fault != Fault::None => Err(Error::Transient(error)),
-            ended => Err(Error::Inbox(ended)),
-        }
+        Err(Error::Inbox(
+            ended_by_body(session, Some(claim), later_writes_refused).await,
+        ))
     }
 
     /// [`finish_storing`](Self::finish_storing), with `as_error` to look into the handler's error.
