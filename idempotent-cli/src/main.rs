@@ -107,7 +107,8 @@ enum Command {
         limit: usize,
     },
     /// Forget a message on purpose, so that its next delivery is processed again; writes an
-    /// audit row.
+    /// audit row. Only a committed record is forgotten, without waiting: a key a handler holds
+    /// (claimed, not committed) has none yet, which exits with 2.
     Forget {
         /// The consumer.
         #[arg(long)]
