@@ -100,6 +100,19 @@ pub(crate) fn duration(text: &str) -> Result<Duration, String> {
     Ok(Duration::from_secs(number.saturating_mul(seconds)))
 }
 
+/// The shortest retention `purge` accepts without `--yes-delete-recent`: shorter ones delete the
+/// record of messages whose redeliveries may still come, which would then run again.
+pub(crate) const MIN_RETENTION: Duration = Duration::from_secs(60);
+
+/// A number of rows to print: at least 1.
+pub(crate) fn limit(text: &str) -> Result<usize, String> {
+    match text.parse::<usize>() {
+        Ok(0) => Err("0 rows: a limit is at least 1".to_owned()),
+        Ok(limit) => Ok(limit),
+        Err(_) => Err(format!("{text:?} is not a number of rows")),
+    }
+}
+
 /// `NAME=DURATION`: a consumer's own retention.
 #[derive(Debug, Clone)]
 pub(crate) struct ConsumerRetention(pub(crate) String, pub(crate) Duration);
@@ -111,6 +124,11 @@ impl FromStr for ConsumerRetention {
         let (name, retention) = text
             .split_once('=')
             .ok_or_else(|| format!("{text:?}: write CONSUMER=DURATION, such as billing=30d"))?;
+        if name.trim().is_empty() {
+            return Err(format!(
+                "{text:?} names no consumer: write CONSUMER=DURATION, such as billing=30d"
+            ));
+        }
         Ok(Self(name.to_owned(), duration(retention)?))
     }
 }
@@ -124,7 +142,17 @@ impl FromStr for Time {
 
     fn from_str(text: &str) -> Result<Self, String> {
         if let Ok(ago) = duration(text) {
-            return Ok(Time(SystemTime::now() - ago));
+            // Nothing in the inbox is older than 1970, and the clock cannot count much further.
+            return SystemTime::now()
+                .checked_sub(ago)
+                .filter(|time| *time >= UNIX_EPOCH)
+                .map(Time)
+                .ok_or_else(|| {
+                    format!(
+                        "{text} ago is before 1970-01-01, where the inbox's times begin: write \
+                         a shorter duration, or leave the option out"
+                    )
+                });
         }
         parse_rfc3339(text).map(Time).ok_or_else(|| {
             format!(
@@ -153,7 +181,13 @@ fn parse_rfc3339(text: &str) -> Option<SystemTime> {
         time.next()?.parse().ok()?,
         time.next()?.parse().ok()?,
     );
-    if !(1..=12).contains(&m) || !(1..=31).contains(&d) || hh > 23 || mm > 59 || ss > 60 {
+    if !(0..=9999).contains(&y)
+        || !(1..=12).contains(&m)
+        || !(1..=31).contains(&d)
+        || hh > 23
+        || mm > 59
+        || ss > 60
+    {
         return None;
     }
     let millis: u64 = format!("{fraction:0<3}").get(..3)?.parse().ok()?;
@@ -237,5 +271,10 @@ mod tests {
             (name.as_str(), retention),
             ("billing", Duration::from_secs(30 * 86_400))
         );
+        assert!("=1d".parse::<ConsumerRetention>().is_err());
+        assert_eq!(limit("1"), Ok(1));
+        assert!(limit("0").is_err() && limit("-1").is_err());
+        assert!("999999999999d".parse::<Time>().is_err());
+        assert!(parse_rfc3339("99999999999999-01-01T00:00:00Z").is_none());
     }
 }

@@ -17,9 +17,20 @@
 //! idempotent --url … outbox retry --row 42               publish a parked message again
 //! ```
 //!
-//! Tables for people by default, `--json` for scripts. Exit status: 0, 1 on an error, 2 when the
-//! message to inspect or forget is not in the inbox (or the outgoing message to show or retry is
-//! not in the outbox, or not parked).
+//! Tables for people by default, `--json` for scripts. Exit status: 0, 1 on an error (a wrong
+//! command line too), 2 when the message to inspect or forget is not in the inbox (or the outgoing
+//! message to show or retry is not in the outbox, or not parked).
+//!
+//! - The tool connects once before anything else and reports why it could not (`Connection
+//!   refused`), each cause of an error once. On SQLite only `migrate` creates the database file:
+//!   other commands on a path with no database fail with "no database at …".
+//! - `purge` refuses a retention under a minute unless `--yes-delete-recent` is given (`--dry-run`
+//!   counts without it): it would delete the record of messages whose redeliveries may still come.
+//! - `forget` forgets only a committed record and never waits for a handler: a key claimed by a
+//!   transaction still open has no committed record yet, which it says at once (exit 2), on every
+//!   database.
+//! - Bad values are refused with a sentence: a time too far back, a `--consumer-retention` without
+//!   a consumer, a `--limit` of 0, a `ddl --from` version that does not exist.
 #![warn(missing_docs, unreachable_pub)]
 
 mod args;
@@ -59,7 +70,8 @@ enum Command {
     /// Print the SQL that creates (or upgrades) the tables, for your own migrations; only the
     /// URL's scheme is read, nothing connects.
     Ddl {
-        /// The schema version the tables have now (0: none yet).
+        /// The schema version the tables have now (0: none yet, up to the latest); nothing to
+        /// print when they have the latest.
         #[arg(long, default_value_t = 0)]
         from: u32,
     },
@@ -81,8 +93,8 @@ enum Command {
         /// The cursor the previous page printed.
         #[arg(long)]
         after: Option<idempotent::Cursor>,
-        /// Records per page.
-        #[arg(long, default_value_t = 100)]
+        /// Records per page (at least 1).
+        #[arg(long, default_value_t = 100, value_parser = args::limit)]
         limit: usize,
     },
     /// Calls to outside services still pending after their lease ran out.
@@ -90,12 +102,13 @@ enum Command {
         /// Only this consumer's.
         #[arg(long)]
         consumer: Option<String>,
-        /// At most this many.
-        #[arg(long, default_value_t = 100)]
+        /// At most this many (at least 1).
+        #[arg(long, default_value_t = 100, value_parser = args::limit)]
         limit: usize,
     },
     /// Forget a message on purpose, so that its next delivery is processed again; writes an
-    /// audit row.
+    /// audit row. Only a committed record is forgotten, without waiting: a key a handler holds
+    /// (claimed, not committed) has none yet, which exits with 2.
     Forget {
         /// The consumer.
         #[arg(long)]
@@ -111,11 +124,12 @@ enum Command {
         /// Only this consumer's.
         #[arg(long)]
         consumer: Option<String>,
-        /// At most this many.
-        #[arg(long, default_value_t = 100)]
+        /// At most this many (at least 1).
+        #[arg(long, default_value_t = 100, value_parser = args::limit)]
         limit: usize,
     },
     /// Delete expired rows, call records and audit rows (or, with --dry-run, count them).
+    /// Retentions under 1m are refused unless --yes-delete-recent is given.
     Purge {
         /// The retention your services run with (14d unless they configure another).
         #[arg(long, value_parser = args::duration)]
@@ -132,6 +146,11 @@ enum Command {
         /// Count what would be deleted, delete nothing.
         #[arg(long)]
         dry_run: bool,
+        /// Delete with a retention under 1m (--retention, --consumer-retention or
+        /// --outbox-retention): the records of messages processed that recently go, and a
+        /// redelivery of one of them runs again.
+        #[arg(long)]
+        yes_delete_recent: bool,
     },
     /// The transactional outbox: its outgoing messages, the parked ones, and retrying them.
     Outbox {
@@ -149,8 +168,8 @@ enum OutboxCommand {
         /// Only those after this row.
         #[arg(long)]
         after: Option<i64>,
-        /// At most this many.
-        #[arg(long, default_value_t = 100)]
+        /// At most this many (at least 1).
+        #[arg(long, default_value_t = 100, value_parser = args::limit)]
         limit: usize,
     },
     /// One outgoing message by its row, or every row of a message id.
@@ -210,7 +229,17 @@ fn fail(message: impl Into<String>) -> Failure {
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        // --help and --version: printed, exit 0.
+        Err(error) if !error.use_stderr() => error.exit(),
+        // A command line that is wrong is an error like any other (clap would exit with 2, which
+        // here means "not found").
+        Err(error) => {
+            let _ = error.print();
+            return ExitCode::FAILURE;
+        }
+    };
     match run(cli).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(Failure::NotFound(message)) => {
@@ -218,16 +247,26 @@ async fn main() -> ExitCode {
             ExitCode::from(2)
         }
         Err(Failure::Error(error)) => {
-            let mut message = format!("error: {error}");
-            let mut source = error.source();
-            while let Some(cause) = source {
-                message.push_str(&format!(": {cause}"));
-                source = cause.source();
-            }
-            eprintln!("{message}");
+            eprintln!("error: {}", chain(error.as_ref()));
             ExitCode::FAILURE
         }
     }
+}
+
+/// `error` and its causes, each said once: many errors repeat their source's message in their
+/// own (sqlx's "error communicating with database: Connection refused"), which is then left out.
+fn chain(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut message = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        let said = cause.to_string();
+        if !said.is_empty() && !message.contains(&said) {
+            message.push_str(": ");
+            message.push_str(&said);
+        }
+        source = cause.source();
+    }
+    message
 }
 
 /// The databases by URL scheme.
@@ -257,6 +296,15 @@ async fn run(cli: Cli) -> Result<(), Failure> {
     let table = TableName::new(&cli.table)?;
     let out = Output { json: cli.json };
     if let Command::Ddl { from } = cli.command {
+        let latest = idempotent::schema::CURRENT_VERSION;
+        if from > latest {
+            return Err(fail(format!(
+                "--from {from}: there is no schema version {from}; versions go from 0 (no tables) to {latest}"
+            )));
+        }
+        if from == latest && !cli.json {
+            eprintln!("-- the tables of version {latest} are the latest: nothing to run");
+        }
         let statements = match scheme(&url)? {
             Scheme::Postgres => idempotent::schema::ddl::<Postgres>(&table, from),
             Scheme::Sqlite => idempotent::schema::ddl::<Sqlite>(&table, from),
@@ -267,28 +315,66 @@ async fn run(cli: Cli) -> Result<(), Failure> {
     }
     match scheme(&url)? {
         Scheme::Postgres => {
-            let pool = sqlx::postgres::PgPoolOptions::new()
-                .max_connections(2)
-                .connect(&url)
-                .await?;
+            let options: sqlx::postgres::PgConnectOptions = url.parse()?;
+            let pool = connect::<Postgres>(options).await?;
             command(Inbox::new(pool).with_table(&cli.table)?, cli.command, out).await
         }
         Scheme::Sqlite => {
-            let options = idempotent::sqlite::connect_options(&url)?;
-            let pool = sqlx::sqlite::SqlitePoolOptions::new()
-                .max_connections(2)
-                .connect_with(options)
-                .await?;
+            // Only `migrate` creates the database: another command on a mistyped path must not
+            // leave an empty database there.
+            let creates = matches!(cli.command, Command::Migrate);
+            let options = idempotent::sqlite::connect_options(&url)?.create_if_missing(creates);
+            let path = options.get_filename().display().to_string();
+            let pool = connect::<Sqlite>(options)
+                .await
+                .map_err(|error| match &error {
+                    Failure::Error(inner) if cant_open(inner.as_ref()) => fail(format!(
+                        "no database at {path}: check --url (only `idempotent migrate` creates one)"
+                    )),
+                    _ => error,
+                })?;
             command(Inbox::new(pool).with_table(&cli.table)?, cli.command, out).await
         }
         Scheme::MySql => {
             let url = url.replacen("mariadb:", "mysql:", 1);
-            let pool = sqlx::mysql::MySqlPoolOptions::new()
-                .max_connections(2)
-                .connect(&url)
-                .await?;
+            let options: sqlx::mysql::MySqlConnectOptions = url.parse()?;
+            let pool = connect::<MySql>(options).await?;
             command(Inbox::new(pool).with_table(&cli.table)?, cli.command, out).await
         }
+    }
+}
+
+/// How long the tool waits for the database to answer a connection, and for a connection of its
+/// pool.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A pool of `options`' database, once one connection was made: a server that cannot be reached
+/// fails at once with its cause ("Connection refused"), not after the pool's wait with "pool timed
+/// out".
+async fn connect<DB: sqlx::Database>(
+    options: <DB::Connection as sqlx::Connection>::Options,
+) -> Result<sqlx::Pool<DB>, Failure> {
+    use sqlx::{ConnectOptions, Connection};
+    let first = tokio::time::timeout(CONNECT_TIMEOUT, options.connect())
+        .await
+        .map_err(|_| {
+            fail(format!(
+                "the database did not answer within {} s",
+                CONNECT_TIMEOUT.as_secs()
+            ))
+        })??;
+    first.close().await?;
+    Ok(sqlx::pool::PoolOptions::<DB>::new()
+        .max_connections(2)
+        .acquire_timeout(CONNECT_TIMEOUT)
+        .connect_lazy_with(options))
+}
+
+/// Whether SQLite could not open the database file (`SQLITE_CANTOPEN`): it is not there.
+fn cant_open(error: &(dyn std::error::Error + 'static)) -> bool {
+    match error.downcast_ref::<sqlx::Error>() {
+        Some(sqlx::Error::Database(error)) => error.code().as_deref() == Some("14"),
+        _ => false,
     }
 }
 
@@ -345,7 +431,8 @@ async fn command<DB: Backend>(
                 .ok_or_else(|| fail("name the message with --key"))?;
             if !inbox.forget(&consumer, &key, &reason).await? {
                 return Err(Failure::NotFound(format!(
-                    "{consumer} has no record of the key {key}: nothing forgotten"
+                    "{consumer} has no committed record of the key {key} (a handler still \
+                     processing it has none until it commits): nothing forgotten"
                 )));
             }
             out.forgotten(&consumer, &key);
@@ -359,7 +446,29 @@ async fn command<DB: Backend>(
             batch_size,
             outbox_retention,
             dry_run,
+            yes_delete_recent,
         } => {
+            if !dry_run && !yes_delete_recent {
+                let short = std::iter::once(("--retention", retention))
+                    .chain(outbox_retention.map(|r| ("--outbox-retention", r)))
+                    .chain(
+                        consumer_retention
+                            .iter()
+                            .map(|c| ("--consumer-retention", c.1)),
+                    )
+                    .find(|(_, retention)| *retention < args::MIN_RETENTION);
+                if let Some((option, retention)) = short {
+                    let retention = match retention.as_millis() {
+                        ms if ms % 1000 == 0 => format!("{}s", ms / 1000),
+                        ms => format!("{ms}ms"),
+                    };
+                    return Err(fail(format!(
+                        "{option} {retention} is under 1m, refused: it would delete the records \
+                         of what was processed (or sent) that recently, and a redelivery of such a \
+                         message would run again; count with --dry-run, or add --yes-delete-recent"
+                    )));
+                }
+            }
             let mut inbox = inbox.with_retention(retention);
             if let Some(retention) = outbox_retention {
                 inbox = inbox.with_outbox_retention(retention);

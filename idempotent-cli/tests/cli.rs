@@ -208,23 +208,42 @@ async fn exercise<DB: Backend>(url: &str, inbox: Inbox<DB>) {
         message_key("order-2").unwrap().full_digest()
     );
 
+    forget_never_waits_for_a_handler(url, &inbox).await;
+
     // With a retention of zero, everything before now is expired.
     let preview = json(url, &["purge", "--retention", "0s", "--dry-run"]);
     assert_eq!(preview["dry_run"], true);
     let orders = consumer(&preview, "orders");
     assert_eq!(
         (orders["rows"].as_u64(), orders["audit"].as_u64()),
-        (Some(2), Some(1))
+        (Some(2), Some(2))
     );
     let billing = consumer(&preview, "billing");
     assert_eq!(
         (billing["rows"].as_u64(), billing["calls"].as_u64()),
         (Some(1), Some(1))
     );
+    let stats = json(url, &["stats"]);
     assert_eq!(
-        json(url, &["stats"])["consumers"].as_array().unwrap().len(),
+        stats["consumers"].as_array().unwrap().len(),
         2,
         "a dry run deletes nothing"
+    );
+    for short in [
+        &["--retention", "0s"][..],
+        &["--retention", "59s"],
+        &["--retention", "1d", "--consumer-retention", "billing=0s"],
+        &["--retention", "1d", "--outbox-retention", "500ms"],
+    ] {
+        let refused = idempotent(url, &[&["purge"], short].concat());
+        let said = String::from_utf8_lossy(&refused.stderr);
+        assert_eq!(refused.status.code(), Some(1), "purge {short:?}: {said}");
+        assert!(said.contains("--yes-delete-recent"), "{said}");
+    }
+    assert_eq!(
+        json(url, &["stats"]),
+        stats,
+        "a refused purge deletes nothing"
     );
     let kept = json(
         url,
@@ -234,16 +253,17 @@ async fn exercise<DB: Backend>(url: &str, inbox: Inbox<DB>) {
             "1d",
             "--consumer-retention",
             "billing=0s",
+            "--yes-delete-recent",
         ],
     );
     assert_eq!(
         (kept["rows"].as_u64(), kept["calls"].as_u64()),
         (Some(1), Some(1))
     );
-    let purged = json(url, &["purge", "--retention", "0s"]);
+    let purged = json(url, &["purge", "--retention", "0s", "--yes-delete-recent"]);
     assert_eq!(
         (purged["rows"].as_u64(), purged["audit"].as_u64()),
-        (Some(2), Some(1))
+        (Some(2), Some(2))
     );
     let stats = json(url, &["stats"]);
     let orders = consumer(&stats, "orders");
@@ -254,6 +274,33 @@ async fn exercise<DB: Backend>(url: &str, inbox: Inbox<DB>) {
     );
 
     outbox(url, &inbox).await;
+}
+
+/// `forget` of a key a handler holds (claimed, not committed) answers at once, on every backend,
+/// that there is no committed record (exit 2), and forgets nothing; once the handler commits, the
+/// key is forgotten.
+async fn forget_never_waits_for_a_handler<DB: Backend>(url: &str, inbox: &Inbox<DB>) {
+    let args = [
+        "forget",
+        "--consumer",
+        "orders",
+        "--key",
+        "order-held",
+        "--reason",
+        "held",
+    ];
+    let held = inbox.claim("orders", "order-held").await.unwrap().unwrap();
+    // The handler's transaction stays open until the command has answered.
+    let answer = idempotent(url, &args);
+    let said = String::from_utf8_lossy(&answer.stderr);
+    assert_eq!(answer.status.code(), Some(2), "{said}");
+    assert!(said.contains("no committed record"), "{said}");
+    held.commit().await.unwrap();
+    assert!(inbox.is_processed("orders", "order-held").await.unwrap());
+    assert_eq!(json(url, &args)["forgotten"], true);
+    assert!(!inbox.is_processed("orders", "order-held").await.unwrap());
+    let audit = json(url, &["audit", "--consumer", "orders"]);
+    assert_eq!(audit["audit"].as_array().unwrap().len(), 2, "{audit}");
 }
 
 /// A broker that refuses everything.
@@ -352,4 +399,159 @@ async fn the_binary_operates_a_mysql_inbox() {
     let url = format!("{server}/{database}");
     let pool = sqlx::MySqlPool::connect(&url).await.unwrap();
     exercise(&url.replacen("mysql:", "mariadb:", 1), Inbox::new(pool)).await;
+}
+
+/// An SQLite database in a temporary folder with the inbox's tables, for the commands' checks of
+/// their input.
+fn migrated_sqlite() -> (tempfile::TempDir, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("inbox.db").display());
+    let migrated = idempotent(&url, &["migrate"]);
+    assert!(migrated.status.success(), "{migrated:?}");
+    (dir, url)
+}
+
+/// Asserts that the command was refused with exit 1 and a sentence that says `says`, not a panic
+/// (exit 101) nor a success.
+fn refused(url: &str, args: &[&str], says: &str) {
+    let out = idempotent(url, args);
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{args:?}: {said}");
+    assert!(said.contains(says), "{args:?} says {said:?}, not {says:?}");
+    assert!(!said.contains("panicked"), "{args:?}: {said}");
+    assert!(out.stdout.is_empty(), "{args:?} printed {:?}", out.stdout);
+}
+
+#[test]
+fn a_time_too_far_back_is_refused_with_a_sentence() {
+    let (_dir, url) = migrated_sqlite();
+    for option in ["--since", "--until"] {
+        for ago in ["999999999999d", "18446744073709551615s"] {
+            refused(
+                &url,
+                &["inspect", "--consumer", "orders", option, ago],
+                "before 1970",
+            );
+        }
+    }
+    refused(
+        &url,
+        &[
+            "inspect",
+            "--consumer",
+            "orders",
+            "--since",
+            "99999999999-01-01T00:00:00Z",
+        ],
+        "is not a time",
+    );
+}
+
+#[test]
+fn a_consumer_retention_without_a_consumer_is_refused() {
+    let (_dir, url) = migrated_sqlite();
+    for empty in ["=1d", " =1d"] {
+        refused(
+            &url,
+            &["purge", "--retention", "14d", "--consumer-retention", empty],
+            "names no consumer",
+        );
+    }
+}
+
+#[test]
+fn ddl_of_an_unknown_version_is_refused() {
+    refused(
+        "postgres://",
+        &["ddl", "--from", "99"],
+        "no schema version 99",
+    );
+    let latest = idempotent::schema::CURRENT_VERSION.to_string();
+    let out = idempotent("sqlite://x.db", &["ddl", "--from", &latest]);
+    assert!(out.status.success() && out.stdout.is_empty(), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("nothing to run"));
+    let before = (latest.parse::<u32>().unwrap() - 1).to_string();
+    let out = idempotent("mysql://", &["ddl", "--from", &before]);
+    assert!(out.status.success() && !out.stdout.is_empty(), "{out:?}");
+}
+
+/// Every `--limit` is at least 1: 0 is refused, by every command that has one.
+#[test]
+fn a_limit_of_zero_is_refused_by_every_command() {
+    let (_dir, url) = migrated_sqlite();
+    for command in [
+        &["inspect", "--consumer", "orders"][..],
+        &["stuck"],
+        &["audit"],
+        &["outbox", "parked"],
+    ] {
+        refused(&url, &[command, &["--limit", "0"]].concat(), "at least 1");
+    }
+}
+
+/// A read command on a database that is not there (a mistyped path) says so, and leaves no empty
+/// database behind; only `migrate` creates one.
+#[test]
+fn a_command_on_a_missing_sqlite_database_creates_none() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("typo.db");
+    let url = format!("sqlite://{}", path.display());
+    for command in [
+        &["stats"][..],
+        &["inspect", "--consumer", "orders", "--key", "order-1"],
+        &["audit"],
+        &["outbox", "stats"],
+        &["purge", "--retention", "14d"],
+        &[
+            "forget",
+            "--consumer",
+            "orders",
+            "--key",
+            "order-1",
+            "--reason",
+            "typo",
+        ],
+    ] {
+        refused(&url, command, &format!("no database at {}", path.display()));
+        assert!(!path.exists(), "{command:?} created {}", path.display());
+    }
+    assert!(idempotent(&url, &["migrate"]).status.success());
+    assert!(path.exists());
+}
+
+/// A port nothing listens on.
+fn closed_port() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.local_addr().unwrap().port()
+}
+
+/// A server that cannot be reached fails the command with the cause ("Connection refused"), said
+/// once, rather than the pool's "pool timed out" after its wait.
+#[test]
+fn an_unreachable_server_is_reported_with_its_cause_once() {
+    let port = closed_port();
+    for url in [
+        format!("postgres://postgres@127.0.0.1:{port}/postgres"),
+        format!("mysql://idempotent:idempotent@127.0.0.1:{port}/mysql"),
+    ] {
+        let out = idempotent(&url, &["stats"]);
+        let said = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{url}: {said}");
+        assert!(!said.contains("timed out"), "{url}: {said}");
+        assert_eq!(
+            said.matches("Connection refused").count(),
+            1,
+            "{url}: the cause said once: {said}"
+        );
+    }
+}
+
+/// A command line that is wrong exits with 1, like every error: 2 says "not found".
+#[test]
+fn a_wrong_command_line_exits_with_1() {
+    let out = idempotent("sqlite://x.db", &["inspect", "--limit", "many"]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let help = idempotent("sqlite://x.db", &["purge", "--help"]);
+    assert!(help.status.success());
+    assert!(String::from_utf8_lossy(&help.stdout).contains("--yes-delete-recent"));
 }

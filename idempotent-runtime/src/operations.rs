@@ -337,6 +337,11 @@ impl<DB: Backend> Inbox<DB> {
     /// (when, `reason`, the key's digest, when it had been processed) in the same transaction.
     /// `true` when there was a row to forget; nothing is written otherwise. `reason` is required.
     /// The message's call records are kept (see the [module docs](crate::operations)).
+    ///
+    /// Only a committed record is forgotten, and `forget` never waits for a handler that holds
+    /// the key: a key claimed by a transaction still open (a handler in flight) has no record
+    /// yet, and `forget` returns `false` at once, on every backend. (It looks for the record
+    /// before it begins its transaction, which on SQLite waits for the database's one writer.)
     pub async fn forget<K: AsMessageKey + ?Sized>(
         &self,
         consumer: &str,
@@ -347,6 +352,11 @@ impl<DB: Backend> Inbox<DB> {
         check_reason(reason)?;
         let key = key.as_message_key()?;
         let failed = || database_error(Stage::Forget);
+        // A committed record first, read without waiting; it is looked for again below, in the
+        // transaction that deletes it.
+        if self.inspect(consumer, &*key).await?.is_none() {
+            return Ok(false);
+        }
         let mut tx =
             InboxTransaction::begin(self.resources())
                 .await

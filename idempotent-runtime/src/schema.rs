@@ -14,6 +14,20 @@
 //! | 2 | `<table>_calls.updated_at` (the retention of call records; calls recorded before the upgrade count from the upgrade), `<table>_horizons` (each consumer's purge horizon), `<table>_audit` (messages forgotten on purpose), `<table>_schema` |
 //! | 3 | `<table>_outbox` (the [outbox](crate::outbox)'s outgoing messages) and `<table>_outbox_keys` (the last number given to each ordering key) |
 //!
+//! ## Where the tables are
+//!
+//! The tables are those of the schema or database the connection creates tables in, and only
+//! those: on PostgreSQL `current_schema()`, the first schema of the connection's `search_path`
+//! that exists; on MySQL/MariaDB `DATABASE()`, the URL's database; on SQLite the `main` database.
+//! `migrate()` looks for the tables (and their version) there alone, and creates them there when
+//! they are missing, even when a schema later in the `search_path` (`public`) has tables of the
+//! same name: tenants by schema (a pool per tenant whose `search_path` is `tenant_a, public`) or by
+//! database each get tables of their own. The inbox's statements name the tables without a schema,
+//! so the server finds them in the first schema of the `search_path` that has them, which, once
+//! `migrate()` (or the [`ddl`], run on the same connection settings) has created them, is that
+//! same schema. Migrate each tenant's pool (or run the DDL in each tenant's schema): a pool whose
+//! own schema has no tables would use those of the next schema of its `search_path`.
+//!
 //! Teams that run their own migrations take the same statements from [`ddl`] (or the CLI's
 //! `idempotent ddl`), including the row that records the version, so that a later `migrate()`
 //! knows where the tables stand.

@@ -221,7 +221,9 @@ mod private {
             commit: bool,
         ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a;
 
-        /// Whether the table `name` (unquoted) exists where the connection's statements look.
+        /// Whether the table `name` (unquoted) exists where the connection creates tables
+        /// (PostgreSQL: `current_schema()`; MySQL: `DATABASE()`; SQLite: `main`), never in
+        /// another schema or database the connection could also read; see [`schema`](crate::schema).
         fn table_exists<'a>(
             conn: &'a mut Self::Connection,
             name: &'a str,

@@ -365,12 +365,19 @@ impl Store for Postgres {
         }
     }
 
+    /// Looks in the schema tables are created in (`current_schema()`, the first schema of the
+    /// `search_path` that exists), not along the whole `search_path`: a table of the same name in
+    /// a later schema (`public`) belongs to someone else, and is not this connection's.
     async fn table_exists(conn: &mut PgConnection, name: &str) -> Result<bool, sqlx::Error> {
-        sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
-            .persistent(false)
-            .bind(format!("\"{name}\""))
-            .fetch_one(conn)
-            .await
+        sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_class c \
+             JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace \
+             WHERE n.nspname = current_schema() AND c.relname = $1)",
+        )
+        .persistent(false)
+        .bind(name)
+        .fetch_one(conn)
+        .await
     }
 
     async fn claim_batch(
