@@ -316,6 +316,7 @@ async fn jetstream_deduplicates_publications_not_redeliveries() {
                     .to_owned(),
             ),
             order: serde_json::from_slice(&message.payload).unwrap(),
+            attempt: 1,
         };
         outcomes.push(shop_handle(&shop, incoming).await);
     }
