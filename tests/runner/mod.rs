@@ -2,6 +2,11 @@
 //! message in SQLite, and messages that say how their handler should behave.
 #![allow(dead_code)]
 
+#[cfg(feature = "rabbitmq")]
+pub mod amqp;
+#[cfg(feature = "nats")]
+pub mod jetstream;
+
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};

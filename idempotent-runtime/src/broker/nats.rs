@@ -340,7 +340,8 @@ impl Pull {
                     }
                     Some(Err(error)) => {
                         self.current = None;
-                        self.failed(error.as_ref()).await?;
+                        let after = self.outage.failed(error.as_ref());
+                        self.wait(after).await?;
                         continue;
                     }
                     None => self.current = None,
@@ -355,19 +356,18 @@ impl Pull {
                 .await
             {
                 Ok(batch) => self.current = Some(batch),
-                Err(error) => self.failed(&error).await?,
+                Err(error) => {
+                    let after = self.outage.failed(&error);
+                    self.wait(after).await?;
+                }
             }
         }
     }
 
     /// After a failed pull: [`BrokerError::Cancelled`] when the consumer or its stream was
-    /// deleted, otherwise a wait before the next pull.
-    async fn failed(
-        &mut self,
-        error: &(dyn std::error::Error + 'static),
-    ) -> Result<(), BrokerError> {
+    /// deleted, otherwise a wait of `after` before the next pull.
+    async fn wait(&mut self, after: Duration) -> Result<(), BrokerError> {
         use jetstream::context::ConsumerInfoErrorKind;
-        let after = self.outage.failed(error);
         if let Err(error) = self.consumer.get_info().await
             && matches!(
                 error.kind(),

@@ -400,8 +400,8 @@ struct Setup {
 
 /// A connection's channel and the runner's consumer on it.
 struct Session {
-    // Held so that a connection the runner made lives as long as its channel.
-    _connection: Option<Connection>,
+    /// The connection the runner made, if it did.
+    connection: Option<Connection>,
     channel: Channel,
     consumer: lapin::Consumer,
     context: Arc<Context>,
@@ -470,14 +470,28 @@ impl Feed {
     /// Why `session`'s consumer ended: [`BrokerError::Cancelled`] when its queue is gone.
     async fn cancelled(&self, session: &Session) -> Option<BrokerError> {
         let queue = self.setup.queue.as_str();
-        let probe = session.channel.queue_declare(
-            queue.into(),
-            QueueDeclareOptions {
-                passive: true,
-                ..QueueDeclareOptions::default()
-            },
-            FieldTable::default(),
-        );
+        let probe = async {
+            // On a channel of its own where it can: a missing queue closes the channel it is
+            // asked on.
+            let channel = match &session.connection {
+                Some(connection) => connection.create_channel().await?,
+                None => session.channel.clone(),
+            };
+            let declared = channel
+                .queue_declare(
+                    queue.into(),
+                    QueueDeclareOptions {
+                        passive: true,
+                        ..QueueDeclareOptions::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await;
+            if declared.is_ok() && session.connection.is_some() {
+                let _ = channel.close(200, "".into()).await;
+            }
+            declared
+        };
         match tokio::time::timeout(self.setup.publish_timeout, probe).await {
             Ok(Err(error)) if soft(&error) => {
                 tracing::warn!(queue, %error, "the broker cancelled the runner's consumer");
@@ -575,7 +589,7 @@ impl Feed {
             setup: setup.clone(),
         });
         Ok(Session {
-            _connection: connection,
+            connection,
             channel,
             consumer,
             context,
