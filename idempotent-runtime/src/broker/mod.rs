@@ -590,7 +590,8 @@ impl HeldBack {
 pub(crate) struct Outage {
     broker: &'static str,
     source: String,
-    counters: Arc<Counters>,
+    /// Where reconnects are counted; `None` where another watch counts them.
+    counters: Option<Arc<Counters>>,
     backoff: Backoff,
     since: Option<std::time::Instant>,
 }
@@ -600,7 +601,11 @@ impl Outage {
     const FIRST: Duration = Duration::from_millis(100);
     const LONGEST: Duration = Duration::from_secs(5);
 
-    pub(crate) fn new(broker: &'static str, source: String, counters: Arc<Counters>) -> Self {
+    pub(crate) fn new(
+        broker: &'static str,
+        source: String,
+        counters: Option<Arc<Counters>>,
+    ) -> Self {
         Self {
             broker,
             source,
@@ -631,8 +636,10 @@ impl Outage {
     pub(crate) fn restored(&mut self) {
         self.backoff.reset();
         if let Some(since) = self.since.take() {
-            self.counters.reconnects.fetch_add(1, Ordering::Relaxed);
-            crate::metrics::runner_reconnected(self.broker, &self.source);
+            if let Some(counters) = &self.counters {
+                counters.reconnects.fetch_add(1, Ordering::Relaxed);
+                crate::metrics::runner_reconnected(self.broker, &self.source);
+            }
             tracing::info!(
                 broker = self.broker,
                 source = %self.source,

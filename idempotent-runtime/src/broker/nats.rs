@@ -243,11 +243,18 @@ impl Runner {
             publish_timeout: self.options.publish_timeout,
         });
         let mut pull = Pull {
+            client: self.jetstream.client(),
             consumer: self.consumer.clone(),
             size: self.options.workers * take.most,
             current: None,
-            outage: Outage::new("nats", name, self.options.counters.clone()),
+            outage: Outage::new("nats", name.clone(), None),
         };
+        // The connection's losses and returns, said and counted as they happen, whatever the
+        // workers are doing.
+        let watch = tokio::spawn(watch_connection(
+            self.jetstream.client(),
+            Outage::new("nats", name, Some(self.options.counters.clone())),
+        ));
         let deliveries = futures_util::stream::unfold(&mut pull, |pull| async move {
             let message = pull.next().await;
             Some((message, pull))
@@ -266,6 +273,7 @@ impl Runner {
             process,
         )
         .await;
+        watch.abort();
         // Pulled but not started: back to JetStream at once. Only the pull request under way:
         // the runner makes no new one.
         if let Some(mut batch) = pull.current.take() {
@@ -284,7 +292,7 @@ impl Runner {
     async fn check_dead_letters(&self) -> Result<(), BrokerError> {
         use jetstream::context::GetStreamByNameErrorKind;
         let target = self.dead_letters.as_str();
-        let mut outage = Outage::new("nats", target.to_owned(), self.options.counters.clone());
+        let mut outage = Outage::new("nats", target.to_owned(), None);
         loop {
             let found = tokio::select! {
                 found = self.jetstream.stream_by_subject(target) => found,
@@ -321,6 +329,7 @@ const PULL_EXPIRES: Duration = Duration::from_secs(5);
 /// saw its request go out, as on a busy machine) and wait the request's expiry plus 5 s, 35 s by
 /// default, before it asks again.
 struct Pull {
+    client: async_nats::Client,
     consumer: PullConsumer,
     size: usize,
     current: Option<jetstream::consumer::pull::Batch>,
@@ -332,8 +341,20 @@ impl Pull {
     /// server is away) are made again after a back-off. An error only when the consumer is gone.
     async fn next(&mut self) -> Result<jetstream::Message, BrokerError> {
         loop {
+            if !self.connected() {
+                // The pull request under way died with the connection.
+                self.current = None;
+                let lost = std::io::Error::other("the connection to the NATS server is lost");
+                let after = self.outage.failed(&lost);
+                tokio::time::sleep(after).await;
+                continue;
+            }
             if let Some(batch) = self.current.as_mut() {
-                match batch.next().await {
+                let next = tokio::select! {
+                    next = batch.next() => next,
+                    () = disconnected(&self.client) => continue,
+                };
+                match next {
                     Some(Ok(message)) => {
                         self.outage.restored();
                         return Ok(message);
@@ -355,13 +376,20 @@ impl Pull {
                 .messages()
                 .await
             {
-                Ok(batch) => self.current = Some(batch),
+                Ok(batch) => {
+                    self.outage.restored();
+                    self.current = Some(batch);
+                }
                 Err(error) => {
                     let after = self.outage.failed(&error);
                     self.wait(after).await?;
                 }
             }
         }
+    }
+
+    fn connected(&self) -> bool {
+        self.client.connection_state() == async_nats::connection::State::Connected
     }
 
     /// After a failed pull: [`BrokerError::Cancelled`] when the consumer or its stream was
@@ -381,6 +409,27 @@ impl Pull {
         }
         tokio::time::sleep(after).await;
         Ok(())
+    }
+}
+
+/// Says when the client loses its connection and when it has it back, and counts the returns
+/// (checked every 100 ms; the client itself reconnects).
+async fn watch_connection(client: async_nats::Client, mut outage: Outage) {
+    let lost = std::io::Error::other("the connection to the NATS server is lost");
+    loop {
+        if client.connection_state() == async_nats::connection::State::Connected {
+            outage.restored();
+        } else {
+            outage.failed(&lost);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Returns once the client is not connected (checked every 100 ms).
+async fn disconnected(client: &async_nats::Client) {
+    while client.connection_state() == async_nats::connection::State::Connected {
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 

@@ -321,7 +321,7 @@ impl Runner {
             outage: Outage::new(
                 "rabbitmq",
                 self.queue.clone(),
-                self.options.counters.clone(),
+                Some(self.options.counters.clone()),
             ),
         };
         let deliveries = futures_util::stream::unfold(&mut feed, |feed| async move {

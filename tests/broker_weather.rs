@@ -1,0 +1,211 @@
+//! The runners in bad weather, on real brokers: a RabbitMQ restart and a NATS restart in the
+//! middle of a stream (`scripts/rabbitmq restart`, `scripts/nats restart`, through
+//! `IDEMPOTENT_AMQP_CTL` and `IDEMPOTENT_NATS_CTL`, which those scripts print at start), and a
+//! RabbitMQ memory alarm that blocks the runner's publishes. Each case has the broker to itself
+//! (one at a time, in a test binary of their own): a restart would break the other tests' runners
+//! made from a channel, which cannot reconnect.
+#![cfg(all(feature = "rabbitmq", feature = "nats", feature = "sqlite"))]
+
+mod runner;
+
+use std::time::Duration;
+
+use idempotent::broker::RetryPolicy;
+use idempotent::broker::nats::async_nats::jetstream::stream;
+use lapin::{Connection, ConnectionProperties};
+use runner::{Kind, Shop, broker_ctl, eventually};
+
+/// One case at a time: each restarts a broker, or blocks it.
+static ALONE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+mod rabbitmq {
+    use super::*;
+    use idempotent::broker::rabbitmq::Runner;
+    use runner::amqp::{amqp_url, depth, publish, queue, start};
+
+    /// Issue 21: the RabbitMQ runner ended about 2 s after a broker restart. It reconnects by itself: every
+    /// message published before, during and after the restart is processed exactly once, and the
+    /// runner is still running afterwards (it drains what is published after the restart).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_rabbitmq_restart_mid_stream_loses_nothing_and_the_runner_carries_on() {
+        let _alone = ALONE.lock().await;
+        let (connection, channel, queue) = queue().await;
+        let shop = Shop::new().await;
+        const BEFORE: usize = 300;
+        for i in 0..BEFORE {
+            publish(
+                &channel,
+                &queue,
+                Some(&format!("before-{i}")),
+                Kind::Slow(10),
+            )
+            .await;
+        }
+        drop((channel, connection));
+        let runner = Runner::connect(amqp_url(), &queue).workers(4);
+        let stats = runner.stats();
+        let (shutdown, running) = start(runner, &shop);
+        eventually(Duration::from_secs(60), async || {
+            shop.effects().await.len() >= 20
+        })
+        .await;
+        assert!(
+            shop.effects().await.len() < BEFORE,
+            "the runner finished before the restart"
+        );
+        broker_ctl("IDEMPOTENT_AMQP_CTL", "restart").await;
+        eventually(Duration::from_secs(60), async || stats().reconnects >= 1).await;
+        assert!(!running.is_finished(), "the runner ended with the broker");
+
+        let connection = Connection::connect(&amqp_url(), ConnectionProperties::default())
+            .await
+            .unwrap();
+        let channel = connection.create_channel().await.unwrap();
+        const AFTER: usize = 50;
+        for i in 0..AFTER {
+            publish(&channel, &queue, Some(&format!("after-{i}")), Kind::Ok).await;
+        }
+        eventually(Duration::from_secs(120), async || {
+            shop.effects().await.len() == BEFORE + AFTER && depth(&connection, &queue).await == 0
+        })
+        .await;
+        assert!(!running.is_finished(), "the runner ended");
+        shutdown.cancel();
+        let stats = running.await.unwrap().expect("a graceful shutdown");
+        let effects = shop.effects().await;
+        assert!(
+            effects.values().all(|n| *n == 1),
+            "an effect happened twice: {effects:?}"
+        );
+        assert_eq!(stats.processed as usize, BEFORE + AFTER);
+        assert_eq!(stats.reconnects, 1, "{stats:?}");
+    }
+
+    /// Clears the memory alarm when dropped, whatever the test came to.
+    struct Alarm;
+
+    impl Drop for Alarm {
+        fn drop(&mut self) {
+            let ctl = std::env::var("IDEMPOTENT_AMQP_CTL").unwrap();
+            let _ = std::process::Command::new("sh")
+                .arg("-c")
+                .arg(format!("{ctl} alarm off"))
+                .status();
+        }
+    }
+
+    /// Issue 21: the runner's own retry and dead-letter publishes had no timeout, so a worker
+    /// waited out a whole memory alarm. The publish times out; the delivery is handed back to the
+    /// broker (nothing lost) while the alarm lasts, and processed once after it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_memory_alarm_times_the_runners_publishes_out_and_loses_nothing() {
+        let _alone = ALONE.lock().await;
+        let (connection, channel, queue) = queue().await;
+        let shop = Shop::new().await;
+        publish(&channel, &queue, Some("flaky"), Kind::Flaky(1)).await;
+        publish(&channel, &queue, Some("poison"), Kind::Poison).await;
+        let runner = Runner::connect(amqp_url(), &queue)
+            .workers(2)
+            .retry(RetryPolicy::new(3, Duration::from_millis(100)))
+            .publish_timeout(Duration::from_secs(1));
+        let dead = runner.dead_letters();
+        let stats = runner.stats();
+        broker_ctl("IDEMPOTENT_AMQP_CTL", "alarm on").await;
+        let alarm = Alarm;
+        let (shutdown, running) = start(runner, &shop);
+        // Both publishes (a retry, a dead letter) are blocked: each times out, and its delivery
+        // is handed back, while the alarm is still on.
+        eventually(Duration::from_secs(60), async || stats().released >= 2).await;
+        assert!(!running.is_finished());
+        assert!(!shop.effects().await.contains_key("flaky"));
+        drop(alarm);
+        eventually(Duration::from_secs(120), async || {
+            shop.effects().await.contains_key("flaky")
+                && depth(&connection, &queue).await == 0
+                && depth(&connection, &dead).await >= 1
+        })
+        .await;
+        shutdown.cancel();
+        running.await.unwrap().unwrap();
+        let effects = shop.effects().await;
+        assert_eq!(effects.get("flaky"), Some(&1), "{effects:?}");
+        assert!(!effects.contains_key("poison"));
+    }
+}
+
+mod nats {
+    use super::*;
+    use idempotent::broker::nats::Runner;
+    use runner::jetstream::{publish, setup, start, unfinished};
+
+    /// Issue 21: the NATS runner ended about 11 s after a server restart (an acknowledgement
+    /// timed out). It carries on: every message published before and after the restart is
+    /// processed exactly once, and the runner is still running afterwards.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_nats_restart_mid_stream_loses_nothing_and_the_runner_carries_on() {
+        let _alone = ALONE.lock().await;
+        // A message whose acknowledgement the restart swallowed comes back after 3 s.
+        let (jetstream, mut consumer, prefix) = setup(Duration::from_secs(3)).await;
+        let stream_name = format!("S_{prefix}");
+        let storage = jetstream
+            .get_stream(&stream_name)
+            .await
+            .unwrap()
+            .cached_info()
+            .config
+            .storage;
+        assert_eq!(
+            storage,
+            stream::StorageType::File,
+            "the stream must outlive the restart"
+        );
+        let shop = Shop::new().await;
+        const BEFORE: usize = 300;
+        for i in 0..BEFORE {
+            publish(
+                &jetstream,
+                &prefix,
+                Some(&format!("before-{i}")),
+                Kind::Slow(10),
+            )
+            .await;
+        }
+        let runner = Runner::new(
+            jetstream.clone(),
+            consumer.clone(),
+            format!("{prefix}.dead"),
+        )
+        .workers(4);
+        let stats = runner.stats();
+        let (shutdown, running) = start(runner, &shop);
+        eventually(Duration::from_secs(60), async || {
+            shop.effects().await.len() >= 20
+        })
+        .await;
+        assert!(
+            shop.effects().await.len() < BEFORE,
+            "the runner finished before the restart"
+        );
+        broker_ctl("IDEMPOTENT_NATS_CTL", "restart").await;
+        eventually(Duration::from_secs(60), async || stats().reconnects >= 1).await;
+        assert!(!running.is_finished(), "the runner ended with the server");
+        const AFTER: usize = 50;
+        for i in 0..AFTER {
+            publish(&jetstream, &prefix, Some(&format!("after-{i}")), Kind::Ok).await;
+        }
+        eventually(Duration::from_secs(120), async || {
+            shop.effects().await.len() == BEFORE + AFTER && unfinished(&mut consumer).await == 0
+        })
+        .await;
+        assert!(!running.is_finished(), "the runner ended");
+        shutdown.cancel();
+        let stats = running.await.unwrap().expect("a graceful shutdown");
+        let effects = shop.effects().await;
+        assert!(
+            effects.values().all(|n| *n == 1),
+            "an effect happened twice: {effects:?}"
+        );
+        assert_eq!(stats.processed as usize, BEFORE + AFTER);
+        assert!(stats.reconnects >= 1, "{stats:?}");
+    }
+}
