@@ -209,3 +209,134 @@ mod nats {
         assert!(stats.reconnects >= 1, "{stats:?}");
     }
 }
+
+/// Issue 21: the consumer examples exited when their broker restarted (no restart loop). They
+/// carry on through the runner's own reconnect: a consumer process started before the restart
+/// processes what the producer publishes before and after it, each payment once, and is still
+/// running.
+mod examples {
+    use super::*;
+    use std::process::Stdio;
+    use std::sync::{Arc, Mutex};
+    use tokio::io::{AsyncBufReadExt, BufReader};
+    use tokio::process::Command;
+
+    const MESSAGES: usize = 40;
+
+    struct Example {
+        producer: &'static str,
+        consumer: &'static str,
+        destination: [String; 2],
+        url: (&'static str, String),
+        ctl: &'static str,
+    }
+
+    impl Example {
+        fn command(&self, program: &str, database: &str) -> Command {
+            let mut command = Command::new(runner::example(program));
+            command
+                .args(&self.destination)
+                .env(self.url.0, &self.url.1)
+                .env("DATABASE_URL", database)
+                .kill_on_drop(true);
+            command
+        }
+
+        async fn produce(&self, database: &str) {
+            let status = self
+                .command(self.producer, database)
+                .args(["--messages", &MESSAGES.to_string()])
+                .stdout(Stdio::null())
+                .status()
+                .await
+                .unwrap();
+            assert!(status.success());
+        }
+    }
+
+    async fn consumer_survives_a_restart(example: Example) {
+        let dir = tempfile::tempdir().unwrap();
+        let database = format!("sqlite://{}", dir.path().join("ledger.db").display());
+        example.produce(&database).await;
+        let mut consumer = example
+            .command(example.consumer, &database)
+            .args(["--workers", "2"])
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let lines = Arc::new(Mutex::new(Vec::<String>::new()));
+        let mut stdout = BufReader::new(consumer.stdout.take().unwrap()).lines();
+        let read = lines.clone();
+        tokio::spawn(async move {
+            while let Ok(Some(line)) = stdout.next_line().await {
+                read.lock().unwrap().push(line);
+            }
+        });
+        let processed = || {
+            lines
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|l| l.starts_with("PROCESSED"))
+                .count()
+        };
+        eventually(Duration::from_secs(60), async || processed() == MESSAGES).await;
+        broker_ctl(example.ctl, "restart").await;
+        example.produce(&database).await;
+        eventually(Duration::from_secs(120), async || {
+            processed() == 2 * MESSAGES
+        })
+        .await;
+        assert!(
+            consumer.try_wait().unwrap().is_none(),
+            "the consumer exited: {:#?}",
+            lines.lock().unwrap()
+        );
+        consumer.kill().await.unwrap();
+        let pool = sqlx::SqlitePool::connect(&database).await.unwrap();
+        let effects: Vec<(String, i64)> =
+            sqlx::query_as("SELECT message_id, COUNT(*) FROM ledger GROUP BY message_id")
+                .fetch_all(&pool)
+                .await
+                .unwrap();
+        assert_eq!(effects.len(), 2 * MESSAGES);
+        assert!(effects.iter().all(|(_, n)| *n == 1), "{effects:?}");
+    }
+
+    fn env(name: &str) -> String {
+        std::env::var(name)
+            .unwrap_or_else(|_| panic!("{name} is not set: run the tests with scripts/test"))
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_rabbitmq_consumer_example_survives_a_broker_restart() {
+        let _alone = ALONE.lock().await;
+        consumer_survives_a_restart(Example {
+            producer: "rabbitmq_producer",
+            consumer: "rabbitmq_consumer",
+            destination: [
+                "--queue".into(),
+                format!("payments-{}", uuid::Uuid::new_v4().simple()),
+            ],
+            url: ("IDEMPOTENT_AMQP_URL", env("IDEMPOTENT_AMQP_URL")),
+            ctl: "IDEMPOTENT_AMQP_CTL",
+        })
+        .await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_nats_consumer_example_survives_a_server_restart() {
+        let _alone = ALONE.lock().await;
+        consumer_survives_a_restart(Example {
+            producer: "nats_producer",
+            consumer: "nats_consumer",
+            destination: [
+                "--stream".into(),
+                format!("PAYMENTS_{}", uuid::Uuid::new_v4().simple()),
+            ],
+            url: ("IDEMPOTENT_NATS_URL", env("IDEMPOTENT_NATS_URL")),
+            ctl: "IDEMPOTENT_NATS_CTL",
+        })
+        .await;
+    }
+}

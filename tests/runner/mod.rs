@@ -8,6 +8,7 @@ pub mod amqp;
 pub mod jetstream;
 
 use std::collections::HashMap;
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -201,6 +202,24 @@ impl Shop {
             .cloned()
             .collect()
     }
+}
+
+/// An example's program, as `cargo build --examples` builds it (`scripts/test` does, first).
+pub fn example(name: &str) -> PathBuf {
+    let deps = std::env::current_exe().unwrap();
+    let path = deps
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .join("examples")
+        .join(name);
+    assert!(
+        path.exists(),
+        "{} is not built: run `cargo build --all-features --examples` first (scripts/test does)",
+        path.display()
+    );
+    path
 }
 
 /// Runs `command` of the script that started the broker (`$<variable>`, as `scripts/rabbitmq
