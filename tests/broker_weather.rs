@@ -18,6 +18,43 @@ use runner::{Kind, Shop, broker_ctl, eventually};
 /// One case at a time: each restarts a broker, or blocks it.
 static ALONE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
+/// The `metrics` recorder of this test binary, installed by the first case that asks.
+fn recorder() -> &'static metrics_util::debugging::Snapshotter {
+    static SNAPSHOTTER: std::sync::OnceLock<metrics_util::debugging::Snapshotter> =
+        std::sync::OnceLock::new();
+    SNAPSHOTTER.get_or_init(|| {
+        let recorder = metrics_util::debugging::DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        recorder
+            .install()
+            .expect("the only recorder of this test binary");
+        snapshotter
+    })
+}
+
+/// The runners' reconnects counted for `source` on `broker`, as the recorder saw them.
+fn reconnects_recorded(broker: &str, source: &str) -> u64 {
+    recorder()
+        .snapshot()
+        .into_vec()
+        .into_iter()
+        .filter(|(key, _, _, _)| {
+            let key = key.key();
+            key.name() == idempotent::metrics::RUNNER_RECONNECTS
+                && key
+                    .labels()
+                    .any(|l| l.key() == "broker" && l.value() == broker)
+                && key
+                    .labels()
+                    .any(|l| l.key() == "source" && l.value() == source)
+        })
+        .map(|(_, _, _, value)| match value {
+            metrics_util::debugging::DebugValue::Counter(n) => n,
+            other => panic!("{other:?}"),
+        })
+        .sum()
+}
+
 mod rabbitmq {
     use super::*;
     use idempotent::broker::rabbitmq::Runner;
@@ -29,6 +66,7 @@ mod rabbitmq {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_rabbitmq_restart_mid_stream_loses_nothing_and_the_runner_carries_on() {
         let _alone = ALONE.lock().await;
+        recorder();
         let (connection, channel, queue) = queue().await;
         let shop = Shop::new().await;
         const BEFORE: usize = 300;
@@ -79,6 +117,7 @@ mod rabbitmq {
         );
         assert_eq!(stats.processed as usize, BEFORE + AFTER);
         assert_eq!(stats.reconnects, 1, "{stats:?}");
+        assert_eq!(reconnects_recorded("rabbitmq", &queue), 1);
     }
 
     /// Clears the memory alarm when dropped, whatever the test came to.
@@ -144,6 +183,7 @@ mod nats {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_nats_restart_mid_stream_loses_nothing_and_the_runner_carries_on() {
         let _alone = ALONE.lock().await;
+        recorder();
         // A message whose acknowledgement the restart swallowed comes back after 3 s.
         let (jetstream, mut consumer, prefix) = setup(Duration::from_secs(3)).await;
         let stream_name = format!("S_{prefix}");
@@ -207,6 +247,8 @@ mod nats {
         );
         assert_eq!(stats.processed as usize, BEFORE + AFTER);
         assert!(stats.reconnects >= 1, "{stats:?}");
+        let name = format!("S_{prefix}/shop");
+        assert_eq!(reconnects_recorded("nats", &name), stats.reconnects);
     }
 }
 
