@@ -1,7 +1,10 @@
 //! The NATS JetStream runner against a real server (`IDEMPOTENT_NATS_URL`, `nats-server -js`,
 //! started by `scripts/test`): retries after a back-off (`nak` with a delay), dead letters with
 //! their reason after exactly N attempts, graceful shutdown with deliveries in flight, many workers
-//! on one consumer; and why JetStream's own duplicate detection does not replace the inbox. (A
+//! on one consumer; and why JetStream's own duplicate detection does not replace the inbox. Also:
+//! consumers without explicit acks refused at start, a dead-letter subject no stream captures
+//! (at start, and once its stream is deleted while the runner runs), a handler's own `Retryable`
+//! error. (A server restart is in `tests/broker_weather.rs`.) (A
 //! consumer SIGKILLed between its commit and its acknowledgement is in `tests/nats.rs`.)
 #![cfg(all(feature = "nats", feature = "sqlite"))]
 

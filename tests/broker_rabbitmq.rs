@@ -1,6 +1,9 @@
 //! The RabbitMQ runner against a real broker (`IDEMPOTENT_AMQP_URL`, started by `scripts/test`):
 //! retries after a back-off, dead letters with their reason after exactly N attempts, graceful
-//! shutdown with deliveries in flight, many workers on one queue. (A consumer SIGKILLed between
+//! shutdown with deliveries in flight, many workers on one queue; a deleted queue, a dead-letter
+//! queue refused at start or deleted while the runner runs, a handler's own `Retryable` error,
+//! attempts that count the runner's own retries only, a policy of a hundred attempts. (Broker
+//! restarts and a memory alarm are in `tests/broker_weather.rs`.) (A consumer SIGKILLed between
 //! its commit and its acknowledgement is in `tests/rabbitmq.rs`, on the runner too.)
 #![cfg(all(feature = "rabbitmq", feature = "sqlite"))]
 

@@ -134,8 +134,9 @@ mod rabbitmq {
     }
 
     /// Issue 21: the runner's own retry and dead-letter publishes had no timeout, so a worker
-    /// waited out a whole memory alarm. The publish times out; the delivery is handed back to the
-    /// broker (nothing lost) while the alarm lasts, and processed once after it.
+    /// waited out a whole memory alarm (and so did a shutdown). The publish times out; the
+    /// delivery is handed back to the broker (nothing lost) while the alarm lasts, the runner
+    /// shuts down on request during the alarm, and after it each message is settled once.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_memory_alarm_times_the_runners_publishes_out_and_loses_nothing() {
         let _alone = ALONE.lock().await;
@@ -143,21 +144,31 @@ mod rabbitmq {
         let shop = Shop::new().await;
         publish(&channel, &queue, Some("flaky"), Kind::Flaky(1)).await;
         publish(&channel, &queue, Some("poison"), Kind::Poison).await;
-        let runner = Runner::connect(amqp_url(), &queue)
-            .workers(2)
-            .retry(RetryPolicy::new(3, Duration::from_millis(100)))
-            .publish_timeout(Duration::from_secs(1));
-        let dead = runner.dead_letters();
-        let stats = runner.stats();
+        let runner = || {
+            Runner::connect(amqp_url(), &queue)
+                .workers(2)
+                .retry(RetryPolicy::new(3, Duration::from_millis(100)))
+                .publish_timeout(Duration::from_secs(1))
+        };
+        let first = runner();
+        let dead = first.dead_letters();
+        let stats = first.stats();
         broker_ctl("IDEMPOTENT_AMQP_CTL", "alarm on").await;
         let alarm = Alarm;
-        let (shutdown, running) = start(runner, &shop);
+        let (shutdown, running) = start(first, &shop);
         // Both publishes (a retry, a dead letter) are blocked: each times out, and its delivery
         // is handed back, while the alarm is still on.
         eventually(Duration::from_secs(60), async || stats().released >= 2).await;
         assert!(!running.is_finished());
         assert!(!shop.effects().await.contains_key("flaky"));
+        shutdown.cancel();
+        tokio::time::timeout(Duration::from_secs(60), running)
+            .await
+            .expect("the runner shut down during the alarm")
+            .unwrap()
+            .unwrap();
         drop(alarm);
+        let (shutdown, running) = start(runner(), &shop);
         eventually(Duration::from_secs(120), async || {
             shop.effects().await.contains_key("flaky")
                 && depth(&connection, &queue).await == 0

@@ -483,9 +483,7 @@ impl Settler {
         match delivery.settle(&route).await {
             Ok(()) => {
                 self.counters.count(&route, duplicate);
-                if !matches!(route, Route::Ack) {
-                    self.held.forget(held);
-                }
+                self.held.forget(held);
             }
             Err(error) if matches!(route, Route::Ack) => {
                 // The effect is committed: the redelivery the broker makes is a duplicate.

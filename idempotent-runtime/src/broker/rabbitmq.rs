@@ -336,8 +336,20 @@ impl Runner {
             process,
         )
         .await;
-        // No more deliveries: cancel the consumer, and hand back those received but not started.
-        if let Some(mut session) = feed.session.take() {
+        // No more deliveries: cancel the consumer, and hand back those received but not started;
+        // a broker that does not answer (a blocked connection) is not waited for past the publish
+        // timeout: what it holds unacknowledged it delivers again.
+        let publish_timeout = self.options.publish_timeout;
+        let _ = tokio::time::timeout(publish_timeout, feed.close()).await;
+        driven?;
+        Ok(self.options.counters.snapshot())
+    }
+}
+
+impl Feed {
+    /// Cancels the consumer, and hands back the deliveries received but not started.
+    async fn close(&mut self) {
+        if let Some(mut session) = self.session.take() {
             let tag = session.consumer.tag();
             let cancelled = session
                 .channel
@@ -356,8 +368,6 @@ impl Runner {
                 }
             }
         }
-        driven?;
-        Ok(self.options.counters.snapshot())
     }
 }
 
@@ -461,6 +471,10 @@ impl Feed {
                     let session = self.session.take().expect("a session");
                     if let Some(error) = self.cancelled(&session).await {
                         return Err(error);
+                    }
+                    if let Source::Channel(slot) = &mut self.source {
+                        // Consumed again on the same channel, if it is still open.
+                        *slot = Some(session.channel.clone());
                     }
                 }
             }
@@ -697,12 +711,17 @@ impl AmqpDelivery {
         }
     }
 
+    /// Acknowledges the delivery, waiting at most the publish timeout: a blocked connection (a
+    /// memory alarm) holds every frame back, acknowledgements too.
     async fn ack(&self) -> Result<(), BrokerError> {
-        self.delivery
-            .ack(BasicAckOptions::default())
-            .await
-            .map(drop)
-            .map_err(BrokerError::broker)
+        let after = self.context.setup.publish_timeout;
+        match tokio::time::timeout(after, self.delivery.ack(BasicAckOptions::default())).await {
+            Err(_) => Err(BrokerError::Timeout {
+                what: "acknowledgement",
+                after,
+            }),
+            Ok(acked) => acked.map(drop).map_err(BrokerError::broker),
+        }
     }
 
     /// The attempt this delivery is: 1 plus the times it expired in one of this runner's delay
@@ -811,13 +830,13 @@ impl Delivery for AmqpDelivery {
     }
 
     async fn release(self, _after: Duration) {
-        let _ = self
-            .delivery
-            .nack(BasicNackOptions {
-                requeue: true,
-                ..BasicNackOptions::default()
-            })
-            .await;
+        // Not waited for past the publish timeout (a blocked connection): a delivery left
+        // unacknowledged is delivered again all the same once its channel closes.
+        let nack = self.delivery.nack(BasicNackOptions {
+            requeue: true,
+            ..BasicNackOptions::default()
+        });
+        let _ = tokio::time::timeout(self.context.setup.publish_timeout, nack).await;
     }
 }
 
