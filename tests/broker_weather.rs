@@ -13,7 +13,7 @@ use std::time::Duration;
 use idempotent::broker::RetryPolicy;
 use idempotent::broker::nats::async_nats::jetstream::stream;
 use lapin::{Connection, ConnectionProperties};
-use runner::{Kind, Shop, broker_ctl, eventually};
+use runner::{Kind, Shop, broker_ctl, broker_ctl_with, eventually};
 
 /// One case at a time: each restarts a broker, or blocks it.
 static ALONE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -91,7 +91,13 @@ mod rabbitmq {
             shop.effects().await.len() < BEFORE,
             "the runner finished before the restart"
         );
-        broker_ctl("IDEMPOTENT_AMQP_CTL", "restart").await;
+        // Away for 5 s: every connection attempt meanwhile is refused.
+        broker_ctl_with(
+            "IDEMPOTENT_AMQP_CTL",
+            "IDEMPOTENT_AMQP_DOWNTIME=5",
+            "restart",
+        )
+        .await;
         eventually(Duration::from_secs(60), async || stats().reconnects >= 1).await;
         assert!(!running.is_finished(), "the runner ended with the broker");
 
@@ -237,7 +243,13 @@ mod nats {
             shop.effects().await.len() < BEFORE,
             "the runner finished before the restart"
         );
-        broker_ctl("IDEMPOTENT_NATS_CTL", "restart").await;
+        // Away for 12 s: longer than an acknowledgement's timeout and the consumer's ack_wait.
+        broker_ctl_with(
+            "IDEMPOTENT_NATS_CTL",
+            "IDEMPOTENT_NATS_DOWNTIME=12",
+            "restart",
+        )
+        .await;
         eventually(Duration::from_secs(60), async || stats().reconnects >= 1).await;
         assert!(!running.is_finished(), "the runner ended with the server");
         const AFTER: usize = 50;

@@ -225,12 +225,17 @@ pub fn example(name: &str) -> PathBuf {
 /// Runs `command` of the script that started the broker (`$<variable>`, as `scripts/rabbitmq
 /// start` and `scripts/nats start` print it: `restart`, `alarm on`), and waits for it to finish.
 pub async fn broker_ctl(variable: &str, command: &str) {
+    broker_ctl_with(variable, "", command).await
+}
+
+/// [`broker_ctl`] with `environment` (`NAME=value …`) set for the script.
+pub async fn broker_ctl_with(variable: &str, environment: &str, command: &str) {
     let ctl = std::env::var(variable).unwrap_or_else(|_| {
         panic!("{variable} is not set: run the tests with scripts/test, which starts the broker")
     });
     let status = tokio::process::Command::new("sh")
         .arg("-c")
-        .arg(format!("{ctl} {command}"))
+        .arg(format!("{environment} {ctl} {command}"))
         .status()
         .await
         .unwrap();
