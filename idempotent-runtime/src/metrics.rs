@@ -17,7 +17,7 @@
 //! | [`idempotent_outbox_backlog`](OUTBOX_BACKLOG) | gauge | `table` | outgoing messages committed and not yet sent (parked ones not counted), sampled by a relay |
 //! | [`idempotent_outbox_oldest_unsent_seconds`](OUTBOX_OLDEST) | gauge | `table` | the age of the oldest of them (0 when there is none) |
 //! | [`idempotent_outbox_delay_seconds`](OUTBOX_DELAY) | histogram | `table` | from an outgoing message's write to the broker's confirmation |
-//! | [`idempotent_runner_reconnects_total`](RUNNER_RECONNECTS) | counter | `broker`, `source` | times a broker runner got its broker back after losing it: `broker` is `rabbitmq` or `nats`, `source` the queue or the JetStream consumer |
+//! | [`idempotent_runner_reconnects_total`](RUNNER_RECONNECTS) | counter | `broker`, `source` | times a broker runner got its broker back after losing it: `broker` is `rabbitmq` or `nats`, `source` the queue or the JetStream consumer (`<stream>/<consumer>`) |
 //!
 //! Nothing is recorded without a recorder (the facade's calls then cost next to nothing). Call
 //! [`describe`] once after installing one to give the metrics their descriptions and units.

@@ -36,7 +36,8 @@
 //!   delivering at `max_deliver` on its own, without a dead letter.
 //! - **Attempts** are JetStream's own delivery count of this consumer: a producer's header does not
 //!   count, and a dead letter published back to the stream on purpose is a new stream message,
-//!   which starts again at attempt 1.
+//!   which starts again at attempt 1. (Within the stream's duplicate window JetStream drops a
+//!   message published again with the same `Nats-Msg-Id`: put dead letters back after it.)
 //! - **Dead letters** are published to the subject you name with the headers
 //!   `Idempotent-Reason`, `Idempotent-Attempts` and `Idempotent-Subject`, and once JetStream stored
 //!   them the delivery is terminated (`term`): JetStream will not deliver it again. A stream must
