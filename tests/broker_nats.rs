@@ -543,3 +543,30 @@ async fn a_retryable_error_of_the_handler_is_retried_in_both_modes() {
         assert_eq!(stored(&jetstream, &format!("D_{prefix}")).await, 0);
     }
 }
+
+/// Issue 21: a consumer the server deleted ends the runner with an error of its own, not `Ok`
+/// (which a graceful shutdown returns), and not a wait for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_consumer_ends_the_runner_with_its_own_error() {
+    let (jetstream, consumer, prefix) = setup(Duration::from_secs(30)).await;
+    let shop = Shop::new().await;
+    publish(&jetstream, &prefix, Some("first"), Kind::Ok).await;
+    let runner = Runner::new(jetstream.clone(), consumer, format!("{prefix}.dead"));
+    let (_shutdown, running) = start(runner, &shop);
+    eventually(Duration::from_secs(30), async || {
+        shop.effects().await.contains_key("first")
+    })
+    .await;
+    let stream = jetstream.get_stream(format!("S_{prefix}")).await.unwrap();
+    stream.delete_consumer("shop").await.unwrap();
+    let ended = tokio::time::timeout(Duration::from_secs(60), running)
+        .await
+        .expect("the runner ended once its consumer was deleted")
+        .unwrap();
+    match ended {
+        Err(BrokerError::Cancelled { source_name }) => {
+            assert_eq!(source_name, format!("S_{prefix}/shop"))
+        }
+        other => panic!("{other:?}"),
+    }
+}
