@@ -4,7 +4,7 @@ use std::fmt;
 
 /// Marks an error of a handler's body as transient, so that a redelivery may succeed: a downstream
 /// service's 503, a timeout calling it, a rate limit. The inbox finds it among the sources of the
-/// body's error, as it finds a database failure there: the outcome is [`Error::Transient`], which
+/// body's error, as it finds a database failure there: the outcome is [`Error::Transient`](crate::Error::Transient), which
 /// [is retryable](crate::Error::is_retryable), in `#[idempotent]` handlers, in
 /// [`Inbox::handle_batch_each`](crate::Inbox::handle_batch_each) and in the broker runners'
 /// one-message and batch modes alike. Without it, a body's own error is

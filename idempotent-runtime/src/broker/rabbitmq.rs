@@ -476,6 +476,10 @@ impl Feed {
                         // Consumed again on the same channel, if it is still open.
                         *slot = Some(session.channel.clone());
                     }
+                    // Not at once: a broker that cancels again and again is not asked in a loop.
+                    let ended = std::io::Error::other("the broker ended the runner's consumer");
+                    let after = self.outage.failed(&ended);
+                    tokio::time::sleep(after).await;
                 }
             }
         }
