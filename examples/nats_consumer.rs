@@ -11,8 +11,13 @@
 //!
 //! `--workers N` runs N handlers at once (1 by default); `--ack-wait SECONDS` is how long JetStream
 //! waits for an acknowledgement before it delivers a message again (30 by default, set when the
-//! consumer is created); `--exit-when-idle SECONDS` stops once no delivery came for that long; `--pause-after-commit N` stops after the N-th commit, before its
-//! acknowledgement, and says so on stdout (for the test that kills it there).
+//! consumer is created); `--exit-when-idle SECONDS` stops once no delivery came for that long;
+//! `--pause-after-commit N` stops after the N-th commit, before its acknowledgement, and says so on
+//! stdout (for the test that kills it there).
+//!
+//! The NATS client reconnects by itself when the server restarts, and the runner carries on with
+//! it: no restart loop here. It ends only on request (`--exit-when-idle`), or with an error when
+//! its consumer or stream is deleted.
 
 #[path = "nats/common.rs"]
 mod common;

@@ -11,6 +11,10 @@
 //! The key is the producer's `message_id` property, never the delivery tag: the broker gives every
 //! delivery a new tag, and restarts counting on every channel.
 //!
+//! The runner makes its own connection (`Runner::connect`) and makes it again when the broker
+//! restarts: no restart loop here. It ends only on request (`--exit-when-idle`), or with an error
+//! when the broker cancels its consumer (the queue was deleted).
+//!
 //! ```text
 //! cargo run --example rabbitmq_consumer --features rabbitmq -- --queue payments                  # SQLite
 //! DATABASE_URL=postgres://… cargo run --example rabbitmq_consumer --features rabbitmq,postgres -- --queue payments
@@ -28,7 +32,7 @@ mod ledger;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::channel;
+use common::{amqp_url, channel};
 use idempotent::broker::Shutdown;
 use idempotent::broker::rabbitmq::Runner;
 use ledger::{Ledger, arg, report, stop_when_idle, worker};
@@ -42,9 +46,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let url = std::env::var("DATABASE_URL").unwrap_or_else(|_| "sqlite://ledger.db".into());
     let ledger = Ledger::open(&url).await?;
 
-    let (_connection, channel) = channel(&queue).await?;
+    // The queue, declared once; the runner then connects (and reconnects) by itself.
+    let (connection, _channel) = channel(&queue).await?;
+    connection.close(200, "declared".into()).await?;
     let shutdown = Shutdown::new();
-    let runner = Runner::new(channel, queue.as_str())
+    let runner = Runner::connect(amqp_url(), queue.as_str())
         .workers(workers)
         .shutdown_on(shutdown.clone());
     if let Some(idle) = idle {

@@ -167,7 +167,7 @@ pub use idempotent_runtime::{
     AsMessageKey, Backend, CallLease, CallStart, Claim, ClaimOptions, Claimed, ClaimedBatch,
     CorrelationId, DeliveryTag, Error, Fault, Handled, HandlerConnection, IdempotencyKey, Inbox,
     InboxError, InboxFor, KeyBuilder, KeyError, MAX_CONSUMER_LEN, MessageKey, MetricsSnapshot,
-    PurgeReport, Purger, PurgerOptions, Retention, StableKey, Stage, TableName, calls,
+    PurgeReport, Purger, PurgerOptions, Retention, Retryable, StableKey, Stage, TableName, calls,
     is_retryable, key, message_key,
 };
 // Operating an inbox: the purge horizon, inspect and forget, schema versions, metrics.

@@ -4,34 +4,18 @@
 //! retried and every redelivery after a kill is a detected duplicate, and nothing is left behind.
 #![cfg(all(feature = "sqlite", feature = "rabbitmq", feature = "nats"))]
 
-use std::path::PathBuf;
+mod runner;
+
 use std::process::Stdio;
 use std::time::Duration;
 
+use runner::example;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::Command;
 
 const MESSAGES: usize = 40;
 const RETRIES: usize = 8;
 const KILLS: usize = 4;
-
-/// An example's program, as `cargo build --examples` builds it (`scripts/test` does, first).
-fn example(name: &str) -> PathBuf {
-    let deps = std::env::current_exe().unwrap();
-    let path = deps
-        .parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .join("examples")
-        .join(name);
-    assert!(
-        path.exists(),
-        "{} is not built: run `cargo build --all-features --examples` first (scripts/test does)",
-        path.display()
-    );
-    path
-}
 
 fn env(name: &str) -> String {
     std::env::var(name)

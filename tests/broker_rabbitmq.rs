@@ -1,6 +1,9 @@
 //! The RabbitMQ runner against a real broker (`IDEMPOTENT_AMQP_URL`, started by `scripts/test`):
 //! retries after a back-off, dead letters with their reason after exactly N attempts, graceful
-//! shutdown with deliveries in flight, many workers on one queue. (A consumer SIGKILLed between
+//! shutdown with deliveries in flight, many workers on one queue; a deleted queue, a dead-letter
+//! queue refused at start or deleted while the runner runs, a handler's own `Retryable` error,
+//! attempts that count the runner's own retries only, a policy of a hundred attempts. (Broker
+//! restarts and a memory alarm are in `tests/broker_weather.rs`.) (A consumer SIGKILLed between
 //! its commit and its acknowledgement is in `tests/rabbitmq.rs`, on the runner too.)
 #![cfg(all(feature = "rabbitmq", feature = "sqlite"))]
 
@@ -8,103 +11,13 @@ mod runner;
 
 use std::time::{Duration, Instant};
 
-use idempotent::broker::rabbitmq::{ATTEMPTS_HEADER, REASON_HEADER, Runner};
-use idempotent::broker::{Batches, BeforeSettle, RetryPolicy, Shutdown};
+use idempotent::broker::rabbitmq::Runner;
+use idempotent::broker::{Batches, BeforeSettle, BrokerError, RetryPolicy, Shutdown};
 use lapin::options::{BasicGetOptions, BasicPublishOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable};
-use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+use lapin::{BasicProperties, Connection, ConnectionProperties};
+use runner::amqp::{amqp_url, dead_letters, depth, publish, queue, start};
 use runner::{Kind, Order, Shop, eventually};
-
-fn amqp_url() -> String {
-    std::env::var("IDEMPOTENT_AMQP_URL").expect(
-        "IDEMPOTENT_AMQP_URL is not set: run the tests with scripts/test, which starts RabbitMQ",
-    )
-}
-
-/// A fresh durable queue on its own connection.
-async fn queue() -> (Connection, Channel, String) {
-    let connection = Connection::connect(&amqp_url(), ConnectionProperties::default())
-        .await
-        .unwrap();
-    let channel = connection.create_channel().await.unwrap();
-    let queue = format!("runner-{}", uuid::Uuid::new_v4().simple());
-    channel
-        .queue_declare(
-            queue.as_str().into(),
-            QueueDeclareOptions::durable(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
-    (connection, channel, queue)
-}
-
-async fn publish(channel: &Channel, queue: &str, id: Option<&str>, kind: Kind) {
-    let mut properties = BasicProperties::default().with_delivery_mode(2);
-    if let Some(id) = id {
-        properties = properties.with_message_id(id.into());
-    }
-    channel
-        .basic_publish(
-            "".into(),
-            queue.into(),
-            BasicPublishOptions::default(),
-            &Order::payload(kind),
-            properties,
-        )
-        .await
-        .unwrap()
-        .await
-        .unwrap();
-}
-
-/// Messages waiting in `queue` (0 if it does not exist yet), asked on a channel of its own: a
-/// passive declare of a missing queue closes its channel.
-async fn depth(connection: &Connection, queue: &str) -> u32 {
-    let channel = connection.create_channel().await.unwrap();
-    let declared = channel
-        .queue_declare(
-            queue.into(),
-            QueueDeclareOptions {
-                passive: true,
-                ..QueueDeclareOptions::default()
-            },
-            FieldTable::default(),
-        )
-        .await;
-    let depth = declared.map_or(0, |queue| queue.message_count());
-    let _ = channel.close(200, "".into()).await;
-    depth
-}
-
-/// The dead letters in `queue`: (message id, reason, attempts).
-async fn dead_letters(channel: &Channel, queue: &str) -> Vec<(String, String, i64)> {
-    let mut letters = Vec::new();
-    while let Some(message) = channel
-        .basic_get(queue.into(), BasicGetOptions { no_ack: true })
-        .await
-        .unwrap()
-    {
-        let properties = &message.delivery.properties;
-        let headers = properties.headers().clone().unwrap_or_default();
-        let header = |name: &str| headers.inner().get(name).cloned();
-        let reason = match header(REASON_HEADER) {
-            Some(AMQPValue::LongString(s)) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
-            other => panic!("no reason header: {other:?}"),
-        };
-        let attempts = match header(ATTEMPTS_HEADER) {
-            Some(AMQPValue::LongLongInt(n)) => n,
-            other => panic!("no attempts header: {other:?}"),
-        };
-        let id = properties
-            .message_id()
-            .as_ref()
-            .map_or(String::new(), |id| id.as_str().to_owned());
-        letters.push((id, reason, attempts));
-    }
-    letters.sort();
-    letters
-}
 
 /// Runs the runner in the background until `done` holds, then shuts it down.
 async fn run_until(
@@ -401,4 +314,280 @@ async fn batches_crashed_between_commit_and_ack_have_each_effect_once() {
         stats.processed as usize,
         MESSAGES - committed_before_crashes
     );
+}
+
+/// Issue 21: a consumer the broker cancelled (its queue deleted) ended the runner with `Ok`, as a
+/// graceful shutdown does. It is an error of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_queue_ends_the_runner_with_its_own_error() {
+    let (_connection, channel, queue) = queue().await;
+    let shop = Shop::new().await;
+    publish(&channel, &queue, Some("first"), Kind::Ok).await;
+    let (_shutdown, running) = start(Runner::connect(amqp_url(), &queue), &shop);
+    eventually(Duration::from_secs(30), async || {
+        shop.effects().await.contains_key("first")
+    })
+    .await;
+    channel
+        .queue_delete(queue.as_str().into(), Default::default())
+        .await
+        .unwrap();
+    let ended = tokio::time::timeout(Duration::from_secs(60), running)
+        .await
+        .expect("the runner ended once its queue was deleted")
+        .unwrap();
+    match ended {
+        Err(BrokerError::Cancelled { source_name }) => assert_eq!(source_name, queue),
+        other => panic!("{other:?}"),
+    }
+}
+
+/// Issue 21: a dead-letter queue the broker refuses to declare stops the runner at start, with an
+/// error that names it, before any delivery is taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_queue_the_broker_refuses_stops_the_runner_at_start() {
+    let (connection, channel, queue) = queue().await;
+    let shop = Shop::new().await;
+    publish(&channel, &queue, Some("waiting"), Kind::Ok).await;
+    // `<queue>.dead` exists already, with arguments the runner's declaration does not have.
+    let mut arguments = FieldTable::default();
+    arguments.insert("x-max-length".into(), AMQPValue::LongLongInt(10));
+    channel
+        .queue_declare(
+            format!("{queue}.dead").as_str().into(),
+            QueueDeclareOptions::durable(),
+            arguments,
+        )
+        .await
+        .unwrap();
+    let (_shutdown, running) = start(Runner::connect(amqp_url(), &queue), &shop);
+    let ended = tokio::time::timeout(Duration::from_secs(60), running)
+        .await
+        .expect("the runner stopped at start")
+        .unwrap();
+    match ended {
+        Err(BrokerError::DeadLetterTarget { target, .. }) => {
+            assert_eq!(target, format!("{queue}.dead"))
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(shop.attempts_of("waiting").is_empty());
+    assert_eq!(depth(&connection, &queue).await, 1);
+}
+
+/// Issue 21: a dead letter that cannot be published (its queue was deleted while the runner ran,
+/// so the copy is unroutable) was acknowledged and lost. It is handed back to the broker after a
+/// back-off, again and again, while the other messages flow; once the queue is back, it is
+/// dead-lettered there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_that_cannot_be_published_waits_for_redelivery_and_the_rest_flows() {
+    let (connection, channel, queue) = queue().await;
+    let shop = Shop::new().await;
+    let runner = Runner::connect(amqp_url(), &queue).workers(2);
+    let dead = runner.dead_letters();
+    let stats = runner.stats();
+    let (shutdown, running) = start(runner, &shop);
+    eventually(Duration::from_secs(30), async || {
+        depth(&connection, &dead).await == 0 && stats().reconnects == 0 && {
+            // The runner declared its queues: the dead-letter queue exists.
+            let probe = connection.create_channel().await.unwrap();
+            let exists = probe
+                .queue_declare(
+                    dead.as_str().into(),
+                    QueueDeclareOptions {
+                        passive: true,
+                        ..QueueDeclareOptions::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await
+                .is_ok();
+            let _ = probe.close(200, "".into()).await;
+            exists
+        }
+    })
+    .await;
+    channel
+        .queue_delete(dead.as_str().into(), Default::default())
+        .await
+        .unwrap();
+    publish(&channel, &queue, Some("poison"), Kind::Poison).await;
+    for i in 0..20 {
+        publish(&channel, &queue, Some(&format!("ok-{i}")), Kind::Ok).await;
+    }
+    eventually(Duration::from_secs(60), async || {
+        shop.effects().await.len() == 20 && stats().released >= 2
+    })
+    .await;
+    assert!(!running.is_finished(), "the runner stopped");
+    // The dead-letter queue is back: the poison message gets there.
+    channel
+        .queue_declare(
+            dead.as_str().into(),
+            QueueDeclareOptions::durable(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    eventually(Duration::from_secs(120), async || {
+        depth(&connection, &dead).await == 1
+    })
+    .await;
+    shutdown.cancel();
+    let stats = running.await.unwrap().unwrap();
+    let letters = dead_letters(&channel, &dead).await;
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    assert_eq!(letters[0].0, "poison");
+    assert_eq!(stats.dead_lettered, 1);
+    assert_eq!(depth(&connection, &queue).await, 0);
+    let effects = shop.effects().await;
+    assert!(effects.values().all(|n| *n == 1) && !effects.contains_key("poison"));
+}
+
+/// Issue 21: `RetryPolicy::new(n, d).max_delay(m)` with `n ≥ 66` made the runner panic at start
+/// (it computes every delay to declare its delay queues).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_policy_of_a_hundred_attempts_runs() {
+    let (_connection, channel, queue) = queue().await;
+    let shop = Shop::new().await;
+    publish(&channel, &queue, Some("flaky"), Kind::Flaky(1)).await;
+    let policy =
+        RetryPolicy::new(100, Duration::from_millis(100)).max_delay(Duration::from_secs(1));
+    let runner = Runner::connect(amqp_url(), &queue).retry(policy);
+    let stats = run_until(runner, &shop, async || {
+        shop.effects().await.contains_key("flaky")
+    })
+    .await;
+    assert_eq!((stats.retried, stats.processed), (1, 1));
+}
+
+/// Issue 21: a handler's own transient error (a downstream 503, marked `Retryable`) is retried,
+/// in one-message mode and in batch mode; it was dead-lettered at its first attempt in batches.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retryable_error_of_the_handler_is_retried_in_both_modes() {
+    for batches in [false, true] {
+        let (connection, channel, queue) = queue().await;
+        let shop = Shop::new().await;
+        publish(&channel, &queue, Some("flaky-1"), Kind::Unavailable(1)).await;
+        publish(&channel, &queue, Some("flaky-2"), Kind::Unavailable(2)).await;
+        publish(&channel, &queue, Some("ok"), Kind::Ok).await;
+        let policy = RetryPolicy::new(4, Duration::from_millis(100));
+        let runner = Runner::connect(amqp_url(), &queue).retry(policy);
+        let dead = runner.dead_letters();
+        let shutdown = Shutdown::new();
+        let running = if batches {
+            let mut body = Some(shop.batch_body());
+            tokio::spawn(runner.shutdown_on(shutdown.clone()).run_batches(
+                shop.inbox.clone(),
+                "shop",
+                Batches::new(10, Duration::from_millis(20)),
+                move || body.take().expect("one worker"),
+            ))
+        } else {
+            let mut worker = Some(shop.worker());
+            tokio::spawn(
+                runner
+                    .shutdown_on(shutdown.clone())
+                    .run(move || worker.take().expect("one worker")),
+            )
+        };
+        eventually(Duration::from_secs(60), async || {
+            shop.effects().await.len() == 3
+        })
+        .await;
+        shutdown.cancel();
+        let stats = running.await.unwrap().unwrap();
+        assert_eq!(
+            shop.attempt_numbers("flaky-1"),
+            [1, 2],
+            "batches: {batches}"
+        );
+        assert_eq!(
+            shop.attempt_numbers("flaky-2"),
+            [1, 2, 3],
+            "batches: {batches}"
+        );
+        assert!(shop.effects().await.values().all(|n| *n == 1));
+        assert_eq!(
+            (stats.processed, stats.retried, stats.dead_lettered),
+            (3, 3, 0)
+        );
+        assert_eq!(depth(&connection, &dead).await, 0);
+    }
+}
+
+/// Issue 21: a dead letter moved back to its queue kept the runner's attempt header, and was
+/// dead-lettered again after one delivery "after 5 attempts"; a producer could set that header
+/// too. Attempts count this runner's own retries only: a message moved back starts again with
+/// all its attempts, and a producer's header shortens nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn attempts_count_the_runners_own_retries_only() {
+    let (connection, channel, queue) = queue().await;
+    let shop = Shop::new().await;
+    publish(&channel, &queue, Some("failing"), Kind::AlwaysTransient).await;
+    // A producer that sets the runner's header itself.
+    let mut headers = FieldTable::default();
+    headers.insert(
+        idempotent::broker::rabbitmq::ATTEMPT_HEADER.into(),
+        AMQPValue::LongLongInt(3),
+    );
+    channel
+        .basic_publish(
+            "".into(),
+            queue.as_str().into(),
+            BasicPublishOptions::default(),
+            &Order::payload(Kind::Flaky(1)),
+            BasicProperties::default()
+                .with_delivery_mode(2)
+                .with_message_id("forged".into())
+                .with_headers(headers),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    let policy = RetryPolicy::new(3, Duration::from_millis(100));
+    let runner = Runner::connect(amqp_url(), &queue).retry(policy);
+    let dead = runner.dead_letters();
+    let (shutdown, running) = start(runner, &shop);
+    eventually(Duration::from_secs(60), async || {
+        depth(&connection, &dead).await == 1 && shop.effects().await.contains_key("forged")
+    })
+    .await;
+    assert_eq!(shop.attempt_numbers("forged"), [1, 2]);
+    assert_eq!(shop.attempt_numbers("failing"), [1, 2, 3]);
+
+    // An operator moves the dead letter back, headers and all.
+    let letter = channel
+        .basic_get(dead.as_str().into(), BasicGetOptions { no_ack: false })
+        .await
+        .unwrap()
+        .expect("the dead letter");
+    channel
+        .basic_publish(
+            "".into(),
+            queue.as_str().into(),
+            BasicPublishOptions::default(),
+            &letter.delivery.data,
+            letter.delivery.properties.clone(),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    letter
+        .delivery
+        .ack(lapin::options::BasicAckOptions::default())
+        .await
+        .unwrap();
+    eventually(Duration::from_secs(60), async || {
+        depth(&connection, &dead).await == 1 && shop.attempts_of("failing").len() == 6
+    })
+    .await;
+    shutdown.cancel();
+    running.await.unwrap().unwrap();
+    assert_eq!(shop.attempt_numbers("failing"), [1, 2, 3, 1, 2, 3]);
+    let letters = dead_letters(&channel, &dead).await;
+    assert_eq!(letters.len(), 1);
+    assert_eq!((letters[0].0.as_str(), letters[0].2), ("failing", 3));
 }

@@ -283,7 +283,9 @@ pub enum Error<E> {
     /// serialization failure, a lock timeout, a Galera conflict). Everything was rolled back;
     /// retryable. The inbox finds such a failure in the error's sources (a `sqlx::Error` or a
     /// driver's database error in them, whatever the handler's error type wraps them in), or
-    /// because the rollback after the error found the connection dead.
+    /// because the rollback after the error found the connection dead. A body marks a transient
+    /// failure of its own (a downstream 503) with [`Retryable`](crate::Retryable) among the
+    /// error's sources: that is this too.
     Transient(E),
     /// The inbox failed before or after the body ran.
     Inbox(InboxError),
@@ -341,7 +343,7 @@ impl<E> fmt::Display for Error<E> {
         match self {
             Error::Handler(_) => f.write_str("the handler failed"),
             Error::Transient(_) => {
-                f.write_str("the handler failed as the database failed under it")
+                f.write_str("the handler failed transiently (the database failed under it, or the error is marked Retryable)")
             }
             Error::Inbox(e) => fmt::Display::fmt(e, f),
         }

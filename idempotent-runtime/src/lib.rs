@@ -22,6 +22,7 @@ pub mod metrics;
 pub mod operations;
 pub mod outbox;
 mod retention;
+mod retryable;
 pub mod schema;
 mod session;
 mod store;
@@ -43,6 +44,7 @@ pub use markers::{CorrelationId, DeliveryTag};
 pub use metrics::MetricsSnapshot;
 pub use operations::{AuditEntry, ConsumerStats, Cursor, Listing, Page, Record, StuckCall};
 pub use retention::{Expired, PurgeReport, Purger, PurgerOptions, Retention};
+pub use retryable::Retryable;
 pub use schema::Migration;
 #[cfg(feature = "mysql")]
 #[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]

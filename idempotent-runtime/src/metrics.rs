@@ -17,6 +17,7 @@
 //! | [`idempotent_outbox_backlog`](OUTBOX_BACKLOG) | gauge | `table` | outgoing messages committed and not yet sent (parked ones not counted), sampled by a relay |
 //! | [`idempotent_outbox_oldest_unsent_seconds`](OUTBOX_OLDEST) | gauge | `table` | the age of the oldest of them (0 when there is none) |
 //! | [`idempotent_outbox_delay_seconds`](OUTBOX_DELAY) | histogram | `table` | from an outgoing message's write to the broker's confirmation |
+//! | [`idempotent_runner_reconnects_total`](RUNNER_RECONNECTS) | counter | `broker`, `source` | times a broker runner got its broker back after losing it: `broker` is `rabbitmq` or `nats`, `source` the queue or the JetStream consumer (`<stream>/<consumer>`) |
 //!
 //! Nothing is recorded without a recorder (the facade's calls then cost next to nothing). Call
 //! [`describe`] once after installing one to give the metrics their descriptions and units.
@@ -47,6 +48,8 @@ pub const OUTBOX_BACKLOG: &str = "idempotent_outbox_backlog";
 pub const OUTBOX_OLDEST: &str = "idempotent_outbox_oldest_unsent_seconds";
 /// From an outgoing message's write to the broker's confirmation (seconds), by `table`.
 pub const OUTBOX_DELAY: &str = "idempotent_outbox_delay_seconds";
+/// Times a broker runner got its broker back after losing it, by `broker` and `source`.
+pub const RUNNER_RECONNECTS: &str = "idempotent_runner_reconnects_total";
 
 /// Describes the inbox's metrics to the installed recorder (descriptions and units). Call it once
 /// after installing the recorder; recording works without it.
@@ -84,11 +87,22 @@ pub fn describe() {
         ::metrics::Unit::Seconds,
         "Age of the oldest outgoing message not yet sent"
     );
+    ::metrics::describe_counter!(
+        RUNNER_RECONNECTS,
+        "Times a broker runner got its broker back after losing it"
+    );
     ::metrics::describe_histogram!(
         OUTBOX_DELAY,
         ::metrics::Unit::Seconds,
         "Time from an outgoing message's write to the broker's confirmation"
     );
+}
+
+/// Counts a reconnect of a broker runner of `source` (a queue, a consumer) to `broker`.
+#[cfg_attr(not(any(feature = "rabbitmq", feature = "nats")), allow(dead_code))]
+pub(crate) fn runner_reconnected(broker: &'static str, source: &str) {
+    ::metrics::counter!(RUNNER_RECONNECTS, "broker" => broker, "source" => source.to_owned())
+        .increment(1);
 }
 
 /// What became of a message, as counted.

@@ -2,12 +2,18 @@
 //! message in SQLite, and messages that say how their handler should behave.
 #![allow(dead_code)]
 
+#[cfg(feature = "rabbitmq")]
+pub mod amqp;
+#[cfg(feature = "nats")]
+pub mod jetstream;
+
 use std::collections::HashMap;
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use idempotent::broker::{Message, MessageId};
-use idempotent::{Error, Handled, Inbox, idempotent};
+use idempotent::{Error, Handled, Inbox, Retryable, idempotent};
 use serde::{Deserialize, Serialize};
 use sqlx::{Sqlite, SqlitePool};
 
@@ -24,6 +30,9 @@ pub enum Kind {
     AlwaysTransient,
     /// Commits after this many milliseconds.
     Slow(u64),
+    /// Its body fails on its first `n` attempts as a downstream service answers 503: the
+    /// handler's own error, marked [`Retryable`].
+    Unavailable(u32),
 }
 
 /// A message's payload.
@@ -48,12 +57,27 @@ pub enum ShopError {
     Decode(#[from] serde_json::Error),
     #[error("database error")]
     Db(#[from] sqlx::Error),
+    #[error("the shipping service is unavailable")]
+    Downstream(#[from] Retryable),
+}
+
+/// What a downstream service answers on `attempt` of a message of `kind`.
+pub fn downstream(kind: Kind, attempt: u32) -> Result<(), ShopError> {
+    match kind {
+        Kind::Unavailable(n) if attempt <= n => {
+            Err(Retryable::new("503 Service Unavailable"))?;
+            Ok(())
+        }
+        _ => Ok(()),
+    }
 }
 
 /// The message as the handler takes it.
 pub struct Incoming {
     pub message_id: MessageId,
     pub order: Order,
+    /// The delivery's attempt.
+    pub attempt: u32,
 }
 
 #[idempotent(key = "message_id", consumer = "shop")]
@@ -65,6 +89,7 @@ pub async fn on_order(tx: &mut sqlx::SqliteConnection, msg: &Incoming) -> Result
         .bind(&msg.message_id.0)
         .execute(&mut *tx)
         .await?;
+    downstream(msg.order.kind, msg.attempt)?;
     match msg.order.kind {
         Kind::Poison => Err(ShopError::Poison),
         _ => Ok(()),
@@ -140,10 +165,19 @@ impl Shop {
                 let incoming = Incoming {
                     message_id: message.message_id,
                     order,
+                    attempt: message.attempt,
                 };
                 on_order(&inbox, &incoming).await
             })
         }
+    }
+
+    /// The attempts the handlers saw of `message_id`: their numbers, in order.
+    pub fn attempt_numbers(&self, message_id: &str) -> Vec<u32> {
+        self.attempts_of(message_id)
+            .iter()
+            .map(|a| a.attempt)
+            .collect()
     }
 
     /// How many times each message's effect was committed.
@@ -168,6 +202,44 @@ impl Shop {
             .cloned()
             .collect()
     }
+}
+
+/// An example's program, as `cargo build --examples` builds it (`scripts/test` does, first).
+pub fn example(name: &str) -> PathBuf {
+    let deps = std::env::current_exe().unwrap();
+    let path = deps
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .join("examples")
+        .join(name);
+    assert!(
+        path.exists(),
+        "{} is not built: run `cargo build --all-features --examples` first (scripts/test does)",
+        path.display()
+    );
+    path
+}
+
+/// Runs `command` of the script that started the broker (`$<variable>`, as `scripts/rabbitmq
+/// start` and `scripts/nats start` print it: `restart`, `alarm on`), and waits for it to finish.
+pub async fn broker_ctl(variable: &str, command: &str) {
+    broker_ctl_with(variable, "", command).await
+}
+
+/// [`broker_ctl`] with `environment` (`NAME=value …`) set for the script.
+pub async fn broker_ctl_with(variable: &str, environment: &str, command: &str) {
+    let ctl = std::env::var(variable).unwrap_or_else(|_| {
+        panic!("{variable} is not set: run the tests with scripts/test, which starts the broker")
+    });
+    let status = tokio::process::Command::new("sh")
+        .arg("-c")
+        .arg(format!("{environment} {ctl} {command}"))
+        .status()
+        .await
+        .unwrap();
+    assert!(status.success(), "{ctl} {command} failed: {status}");
 }
 
 /// Waits until `done` holds, for at most `limit`.
@@ -218,6 +290,7 @@ impl idempotent::broker::BatchBody<Sqlite, (), ShopError> for ShopBody {
                 .bind(&message.message_id.0)
                 .execute(&mut *tx)
                 .await?;
+            downstream(order.kind, message.attempt)?;
             match order.kind {
                 Kind::Poison => Err(ShopError::Poison),
                 _ => Ok(()),

@@ -11,11 +11,33 @@
 //! | a retryable error on the last attempt, any other error | dead-letters it, with the reason and the attempt count in its headers; never an acknowledgement that loses it silently |
 //! | a message without the producer's id | dead-letters it: it has no key |
 //!
+//! A body's error is retryable when the database failed under it, or when the body marked it so
+//! with [`Retryable`](crate::Retryable) among its sources (a downstream 503, a timeout calling
+//! another service): in one-message and batch mode alike. Attempts count this runner's own
+//! deliveries only (see each broker's module): a header a producer sets does not shorten them, and
+//! a dead letter put back on purpose starts again.
+//!
 //! Workers run concurrently, each with a handler of its own (make each one's inbox with
 //! [`Inbox::for_worker`](crate::Inbox::for_worker)), one delivery at a time; the runner asks the
 //! broker for no more deliveries than there are workers. A [`Shutdown`] token stops it gracefully:
 //! it takes no more deliveries, lets those in flight finish and settles them, then returns; a
 //! delivery whose effect was committed is acknowledged before the runner returns.
+//!
+//! **Restarts are weather.** A runner does not end because its broker went away: it reconnects by
+//! itself (a capped, jittered back-off between attempts, from 100 ms to 5 s), says so through
+//! `tracing` (`warn` when the broker is lost, `info` when it is back) and counts it
+//! ([`RunnerStats::reconnects`] and the
+//! [`idempotent_runner_reconnects_total`](crate::metrics::RUNNER_RECONNECTS) counter). It returns an
+//! error only when it cannot go on ([`BrokerError`]): its queue or consumer was deleted
+//! ([`BrokerError::Cancelled`], never `Ok`), or its setup is wrong, found at start before any
+//! delivery is taken (a NATS consumer without explicit acks, a dead-letter target that does not
+//! work).
+//!
+//! **One bad thing stays one bad thing.** A retry or dead letter the broker does not take (it is
+//! unroutable, refused, or not confirmed within the runner's publish timeout, 10 s by default, as
+//! during a memory alarm) does not stop the runner: that delivery goes back to the broker after a
+//! back-off of its own (1 s, doubling per failure of that message, at most a minute; counted in
+//! [`RunnerStats::released`]), and the others flow.
 //!
 //! The handler receives a [`Message`]: the producer's id ([`MessageId`], the key to use), the
 //! payload and headers, and the broker's per-delivery facts in types that are not
@@ -91,13 +113,24 @@ impl RetryPolicy {
     }
 
     /// How long to wait before attempt `attempt + 1`, after attempt `attempt` (counting from 1)
-    /// failed.
+    /// failed: `first_delay` times `multiplier` to the power `attempt - 1`, and never more than
+    /// `max_delay`. Any input gives an answer (no overflow, no panic), and the answers never shrink
+    /// as `attempt` grows.
     pub fn delay_after(&self, attempt: u32) -> Duration {
-        let factor = self
-            .multiplier
-            .max(1.0)
-            .powi(attempt.saturating_sub(1) as i32);
-        self.first_delay.mul_f64(factor).min(self.max_delay)
+        // NaN and anything below 1 count as 1 (`max` ignores NaN): delays never shrink.
+        let multiplier = self.multiplier.max(1.0);
+        let exponent = i32::try_from(attempt.saturating_sub(1)).unwrap_or(i32::MAX);
+        let (first, longest) = (self.first_delay, self.max_delay);
+        if exponent == 0 || first.is_zero() {
+            return first.min(longest);
+        }
+        // Capped before it becomes a `Duration`: a factor of 2^70 (or infinity) must not overflow.
+        let seconds = first.as_secs_f64() * multiplier.powi(exponent);
+        if seconds.is_nan() || seconds >= longest.as_secs_f64() {
+            return longest;
+        }
+        // Never below the first delay, which the float's rounding could reach.
+        Duration::try_from_secs_f64(seconds).map_or(longest, |delay| delay.max(first).min(longest))
     }
 }
 
@@ -270,6 +303,12 @@ pub struct RunnerStats {
     pub retried: u64,
     /// Deliveries dead-lettered.
     pub dead_lettered: u64,
+    /// Deliveries handed back to the broker, to be delivered again after a back-off, because their
+    /// retry or dead letter could not be published (refused, unroutable, not confirmed within the
+    /// publish timeout, or the connection was lost).
+    pub released: u64,
+    /// Times the runner got its broker back after losing it (a reconnect).
+    pub reconnects: u64,
 }
 
 /// The live counters behind [`RunnerStats`].
@@ -279,6 +318,8 @@ pub(crate) struct Counters {
     duplicates: AtomicU64,
     retried: AtomicU64,
     dead_lettered: AtomicU64,
+    released: AtomicU64,
+    reconnects: AtomicU64,
 }
 
 impl Counters {
@@ -299,6 +340,8 @@ impl Counters {
             duplicates: self.duplicates.load(Ordering::Relaxed),
             retried: self.retried.load(Ordering::Relaxed),
             dead_lettered: self.dead_lettered.load(Ordering::Relaxed),
+            released: self.released.load(Ordering::Relaxed),
+            reconnects: self.reconnects.load(Ordering::Relaxed),
         }
     }
 }
@@ -315,7 +358,12 @@ pub(crate) struct Options {
     pub(crate) shutdown: Shutdown,
     pub(crate) counters: Arc<Counters>,
     pub(crate) before_settle: Option<BeforeSettle>,
+    pub(crate) publish_timeout: Duration,
 }
+
+/// How long a runner waits, by default, for the broker to confirm a retry or a dead letter it
+/// published.
+pub const DEFAULT_PUBLISH_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl Default for Options {
     fn default() -> Self {
@@ -325,6 +373,7 @@ impl Default for Options {
             shutdown: Shutdown::new(),
             counters: Arc::default(),
             before_settle: None,
+            publish_timeout: DEFAULT_PUBLISH_TIMEOUT,
         }
     }
 }
@@ -341,6 +390,8 @@ impl Options {
             policy: self.retry,
             counters: self.counters.clone(),
             before: self.before_settle.clone(),
+            shutdown: self.shutdown.clone(),
+            held: HeldBack::default(),
         })
     }
 
@@ -408,23 +459,214 @@ pub(crate) struct Settler {
     pub(crate) policy: RetryPolicy,
     pub(crate) counters: Arc<Counters>,
     pub(crate) before: Option<BeforeSettle>,
+    pub(crate) shutdown: Shutdown,
+    /// The back-off of messages whose retry or dead letter could not be published.
+    held: HeldBack,
 }
 
 impl Settler {
     /// Counts and settles `delivery` by `route` (`duplicate`: its message was one), after the
-    /// hook, which sees its message.
+    /// hook, which sees its message. When the broker does not take the retry or dead letter, the
+    /// delivery is handed back to the broker after a back-off of its own: nothing is lost, and the
+    /// runner goes on.
     async fn settle<D: Delivery>(
         &self,
         delivery: D,
         message: Option<&Message>,
         route: Route,
         duplicate: bool,
-    ) -> Result<(), BrokerError> {
-        self.counters.count(&route, duplicate);
+    ) {
         if let (Some(before), Some(message)) = (&self.before, message) {
             before(message, &route).await;
         }
-        delivery.settle(route).await
+        let held = message.map_or("", |message| message.message_id.0.as_str());
+        match delivery.settle(&route).await {
+            Ok(()) => {
+                self.counters.count(&route, duplicate);
+                self.held.forget(held);
+            }
+            Err(error) if matches!(route, Route::Ack) => {
+                // The effect is committed: the redelivery the broker makes is a duplicate.
+                self.counters.count(&route, duplicate);
+                tracing::warn!(error = %Chain(&error), "could not acknowledge a delivery; the broker delivers it again");
+            }
+            Err(error) => {
+                let after = self.held.next(held);
+                tracing::warn!(
+                    error = %Chain(&error),
+                    ?after,
+                    "could not publish a delivery's retry or dead letter; handed back to the broker after a back-off"
+                );
+                self.counters.released.fetch_add(1, Ordering::Relaxed);
+                if !D::RELEASE_DELAYS {
+                    // Held here for the back-off, so that the broker does not hand it straight back.
+                    tokio::select! {
+                        () = tokio::time::sleep(after) => {}
+                        () = self.shutdown.cancelled() => {}
+                    }
+                }
+                delivery.release(after).await;
+            }
+        }
+    }
+}
+
+/// An error and its causes, on one line.
+pub(crate) struct Chain<'a>(pub(crate) &'a (dyn std::error::Error + 'static));
+
+impl fmt::Display for Chain<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)?;
+        let mut source = self.0.source();
+        while let Some(cause) = source {
+            write!(f, ": {cause}")?;
+            source = cause.source();
+        }
+        Ok(())
+    }
+}
+
+/// Exponential back-off, capped, with some jitter so that runners that lost one broker together do
+/// not all come back at the same instant.
+#[derive(Debug, Clone)]
+pub(crate) struct Backoff {
+    first: Duration,
+    longest: Duration,
+    failures: u32,
+}
+
+impl Backoff {
+    pub(crate) const fn new(first: Duration, longest: Duration) -> Self {
+        Self {
+            first,
+            longest,
+            failures: 0,
+        }
+    }
+
+    /// The wait after one more failure.
+    pub(crate) fn next(&mut self) -> Duration {
+        let delay = RetryPolicy {
+            max_attempts: u32::MAX,
+            first_delay: self.first,
+            multiplier: 2.0,
+            max_delay: self.longest,
+        }
+        .delay_after(self.failures.saturating_add(1));
+        self.failures = self.failures.saturating_add(1);
+        jitter(delay)
+    }
+
+    pub(crate) fn reset(&mut self) {
+        self.failures = 0;
+    }
+}
+
+/// `delay` give or take a quarter.
+fn jitter(delay: Duration) -> Duration {
+    use std::hash::{BuildHasher, Hasher};
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u128(std::time::Instant::now().elapsed().as_nanos());
+    let unit = (hasher.finish() % 1_000) as f64 / 1_000.0; // [0, 1)
+    delay.mul_f64(0.75 + unit / 2.0)
+}
+
+/// The back-off of each message whose retry or dead letter the broker did not take: 1 s, doubling
+/// up to a minute, forgotten once its message is settled. At most [`HeldBack::MOST`] messages are
+/// remembered (beyond that, the oldest memory is dropped and such a message starts again at 1 s).
+#[derive(Debug, Default)]
+struct HeldBack {
+    failures: std::sync::Mutex<std::collections::HashMap<String, Backoff>>,
+}
+
+impl HeldBack {
+    const MOST: usize = 10_000;
+    const FIRST: Duration = Duration::from_secs(1);
+    const LONGEST: Duration = Duration::from_secs(60);
+
+    fn next(&self, message_id: &str) -> Duration {
+        let mut failures = self.failures.lock().unwrap_or_else(|e| e.into_inner());
+        if failures.len() >= Self::MOST && !failures.contains_key(message_id) {
+            failures.clear();
+        }
+        failures
+            .entry(message_id.to_owned())
+            .or_insert_with(|| Backoff::new(Self::FIRST, Self::LONGEST))
+            .next()
+    }
+
+    fn forget(&self, message_id: &str) {
+        let mut failures = self.failures.lock().unwrap_or_else(|e| e.into_inner());
+        if !failures.is_empty() {
+            failures.remove(message_id);
+        }
+    }
+}
+
+/// A runner's view of its broker's availability: it says once, at `warn`, that the broker was
+/// lost, waits a capped, jittered back-off between attempts to get it back, and says at `info`
+/// when it is back (counted in [`RunnerStats::reconnects`] and the
+/// [`idempotent_runner_reconnects_total`](crate::metrics::RUNNER_RECONNECTS) counter).
+pub(crate) struct Outage {
+    broker: &'static str,
+    source: String,
+    /// Where reconnects are counted; `None` where another watch counts them.
+    counters: Option<Arc<Counters>>,
+    backoff: Backoff,
+    since: Option<std::time::Instant>,
+}
+
+impl Outage {
+    /// Waits from 100 ms, doubling, up to 5 s between attempts.
+    const FIRST: Duration = Duration::from_millis(100);
+    const LONGEST: Duration = Duration::from_secs(5);
+
+    pub(crate) fn new(
+        broker: &'static str,
+        source: String,
+        counters: Option<Arc<Counters>>,
+    ) -> Self {
+        Self {
+            broker,
+            source,
+            counters,
+            backoff: Backoff::new(Self::FIRST, Self::LONGEST),
+            since: None,
+        }
+    }
+
+    /// Notes that the broker failed with `error`; returns how long to wait before trying again.
+    pub(crate) fn failed(&mut self, error: &(dyn std::error::Error + 'static)) -> Duration {
+        let after = self.backoff.next();
+        if self.since.is_none() {
+            self.since = Some(std::time::Instant::now());
+            tracing::warn!(
+                broker = self.broker,
+                source = %self.source,
+                error = %Chain(error),
+                "lost the broker; reconnecting"
+            );
+        } else {
+            tracing::debug!(broker = self.broker, source = %self.source, error = %Chain(error), ?after, "the broker is still away");
+        }
+        after
+    }
+
+    /// Notes that the broker answers again.
+    pub(crate) fn restored(&mut self) {
+        self.backoff.reset();
+        if let Some(since) = self.since.take() {
+            if let Some(counters) = &self.counters {
+                counters.reconnects.fetch_add(1, Ordering::Relaxed);
+                crate::metrics::runner_reconnected(self.broker, &self.source);
+            }
+            tracing::info!(
+                broker = self.broker,
+                source = %self.source,
+                away = ?since.elapsed(),
+                "reconnected to the broker"
+            );
+        }
     }
 }
 
@@ -432,15 +674,55 @@ impl Settler {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum BrokerError {
-    /// The broker's client failed: the connection or channel is gone, or a publish was not
-    /// confirmed. Deliveries not acknowledged are delivered again by the broker.
+    /// The broker's client failed in a way the runner cannot recover from by itself: a channel it
+    /// was given (the RabbitMQ runner's `Runner::new`) lost its connection, or the broker refused the
+    /// runner's setup (a queue it declares, its consumer). Deliveries not acknowledged are
+    /// delivered again by the broker.
     #[error("the broker failed")]
     Broker(#[source] Box<dyn std::error::Error + Send + Sync>),
-    /// The broker refused a message the runner published (a retry or a dead letter).
+    /// The broker refused a message the runner published (a retry or a dead letter), or could not
+    /// route it. The runner does not stop for this: it hands the delivery back to the broker after
+    /// a back-off (see [`RunnerStats::released`]).
     #[error("the broker refused the {what} of a message")]
     Refused {
         /// What was published: "retry" or "dead letter".
         what: &'static str,
+    },
+    /// The broker did not confirm a message the runner published within the runner's publish
+    /// timeout (a memory or disk alarm blocks publishers). The runner does not stop for this: it
+    /// hands the delivery back to the broker after a back-off.
+    #[error("the broker did not confirm the {what} of a message within {after:?}")]
+    Timeout {
+        /// What was published: "retry" or "dead letter".
+        what: &'static str,
+        /// The publish timeout.
+        after: Duration,
+    },
+    /// The broker cancelled the runner's consumer: its queue was deleted (RabbitMQ), or its
+    /// consumer or stream (JetStream). Not a shutdown: nothing is consumed any more.
+    #[error("the broker cancelled the consumer of {source_name}: it was deleted")]
+    Cancelled {
+        /// The queue, or the JetStream consumer.
+        source_name: String,
+    },
+    /// The JetStream consumer does not acknowledge each message on its own (its ack policy is
+    /// `All` or `None`): with several workers finishing out of order, one acknowledgement would
+    /// settle messages still in flight, and a crash would lose them. Found at start; use
+    /// `AckPolicy::Explicit`.
+    #[error("the consumer's ack policy is {found}; the runner needs AckPolicy::Explicit")]
+    AckPolicy {
+        /// The consumer's ack policy.
+        found: String,
+    },
+    /// The dead-letter target does not work: no JetStream stream captures the dead-letter subject,
+    /// or RabbitMQ refused to declare the dead-letter queue. Found at start, before any delivery
+    /// is taken.
+    #[error("dead letters cannot go to {target}: {reason}")]
+    DeadLetterTarget {
+        /// The subject or queue.
+        target: String,
+        /// Why.
+        reason: String,
     },
 }
 
@@ -455,8 +737,17 @@ pub(crate) trait Delivery: Send + 'static {
     /// The message for the handler, or the reason to dead-letter it without one.
     fn message(&self) -> Result<Message, String>;
 
-    /// Settles the delivery by `route`.
-    fn settle(self, route: Route) -> impl Future<Output = Result<(), BrokerError>> + Send;
+    /// Whether [`release`](Self::release) itself makes the broker wait (JetStream's delayed
+    /// `nak`); otherwise the runner holds the delivery for the back-off before it releases it.
+    const RELEASE_DELAYS: bool;
+
+    /// Settles the delivery by `route`: acknowledges it, or publishes its retry or dead letter and
+    /// then acknowledges it. An error leaves the delivery unsettled.
+    fn settle(&self, route: &Route) -> impl Future<Output = Result<(), BrokerError>> + Send;
+
+    /// Hands the delivery back to the broker, to be delivered again (after `after`, where the
+    /// broker can wait).
+    fn release(self, after: Duration) -> impl Future<Output = ()> + Send;
 
     /// Keeps the delivery alive while its handler runs (JetStream's in-progress acks); never
     /// returns while it works.
@@ -484,8 +775,8 @@ impl Take {
 
 /// Takes deliveries while a worker is free and the runner is not shut down, `take` at a time,
 /// and runs them on the free worker with `process`, which hands the worker back when it is done;
-/// returns when `deliveries` ends or `shutdown` is cancelled, once every delivery in flight is
-/// settled.
+/// returns when `deliveries` ends or fails (the broker's errors the runner cannot recover from) or
+/// `shutdown` is cancelled, once every delivery in flight is settled.
 pub(crate) async fn drive<D, S, W, P, PF>(
     deliveries: S,
     shutdown: Shutdown,
@@ -498,7 +789,7 @@ where
     S: futures_util::Stream<Item = Result<D, BrokerError>>,
     W: Send + 'static,
     P: FnMut(W, Vec<D>) -> PF,
-    PF: Future<Output = (W, Result<(), BrokerError>)> + Send + 'static,
+    PF: Future<Output = W> + Send + 'static,
 {
     use futures_util::StreamExt;
     let mut deliveries = std::pin::pin!(deliveries);
@@ -514,10 +805,7 @@ where
             biased;
             () = shutdown.cancelled() => break,
             Some(finished) = running.join_next(), if !running.is_empty() => {
-                if let Err(error) = finished.expect("a worker task panicked") {
-                    failure = Some(error);
-                    break;
-                }
+                finished.expect("a worker task panicked");
                 continue;
             }
             worker = idle.recv() => worker.expect("the sender is here"),
@@ -555,9 +843,8 @@ where
         let idle_tx = idle_tx.clone();
         let processed = process(worker, unit);
         running.spawn(async move {
-            let (worker, settled) = processed.await;
+            let worker = processed.await;
             let _ = idle_tx.send(worker).await;
-            settled
         });
         if failure.is_some() {
             break;
@@ -565,17 +852,14 @@ where
     }
     // Whatever stopped the runner, the deliveries in flight finish and are settled.
     while let Some(finished) = running.join_next().await {
-        if let Err(error) = finished.expect("a worker task panicked") {
-            failure.get_or_insert(error);
-        }
+        finished.expect("a worker task panicked");
     }
     failure.map_or(Ok(()), Err)
 }
 
-/// What processing a unit of deliveries on a worker comes to: the worker back, and whether its
-/// deliveries were settled.
-pub(crate) type Processed<W> =
-    futures_util::future::BoxFuture<'static, (W, Result<(), BrokerError>)>;
+/// What processing a unit of deliveries on a worker comes to: the worker back, once its
+/// deliveries are settled (or handed back to the broker).
+pub(crate) type Processed<W> = futures_util::future::BoxFuture<'static, W>;
 
 /// The `process` of [`drive`] for handlers of one message at a time.
 pub(crate) fn one_at_a_time<D, W, Fut, T, E>(
@@ -592,8 +876,8 @@ where
         let settler = settler.clone();
         Box::pin(async move {
             let delivery = unit.pop().expect("a unit of one");
-            let settled = handle(&mut worker, delivery, &settler).await;
-            (worker, settled)
+            handle(&mut worker, delivery, &settler).await;
+            worker
         })
     }
 }
@@ -738,7 +1022,7 @@ where
                     attempts: 1,
                 };
                 settled.push(Box::pin(settler.settle(delivery, None, route, false))
-                    as futures_util::future::BoxFuture<'_, Result<(), BrokerError>>);
+                    as futures_util::future::BoxFuture<'_, ()>);
             }
             for ((delivery, message), (route, duplicate)) in
                 deliveries.into_iter().zip(&messages).zip(routes)
@@ -750,8 +1034,8 @@ where
                     duplicate,
                 )));
             }
-            let settled = futures_util::future::join_all(settled).await;
-            (worker, settled.into_iter().collect::<Result<(), _>>())
+            futures_util::future::join_all(settled).await;
+            worker
         })
     }
 }
@@ -801,11 +1085,7 @@ where
 }
 
 /// Runs one delivery through a worker's handler and settles it by the outcome.
-async fn handle<D, W, Fut, T, E>(
-    worker: &mut W,
-    delivery: D,
-    settler: &Settler,
-) -> Result<(), BrokerError>
+async fn handle<D, W, Fut, T, E>(worker: &mut W, delivery: D, settler: &Settler)
 where
     D: Delivery,
     W: FnMut(Message) -> Fut,
@@ -907,6 +1187,65 @@ mod tests {
         let ended: Result<Handled<()>, Error<Oops>> =
             Err(Error::Inbox(InboxError::TransactionAborted));
         assert!(matches!(Route::of(&ended, 1, &policy), Route::Retry { .. }));
+    }
+
+    fn duration() -> impl proptest::strategy::Strategy<Value = Duration> {
+        use proptest::prelude::*;
+        prop_oneof![
+            (any::<u64>(), 0..1_000_000_000u32).prop_map(|(s, n)| Duration::new(s, n)),
+            (0..100_000u64).prop_map(Duration::from_millis),
+            Just(Duration::ZERO),
+            Just(Duration::MAX),
+        ]
+    }
+
+    fn multiplier() -> impl proptest::strategy::Strategy<Value = f64> {
+        use proptest::prelude::*;
+        prop_oneof![
+            any::<f64>(),
+            0.0..10.0f64,
+            Just(f64::NAN),
+            Just(f64::INFINITY),
+            Just(f64::NEG_INFINITY),
+        ]
+    }
+
+    proptest::proptest! {
+        /// Issue 21: `RetryPolicy::new(66, 1 s).max_delay(m)` panicked (the delay overflowed
+        /// before it was capped). No input panics; delays never shrink and never pass the longest.
+        #[test]
+        fn no_policy_panics_and_its_delays_never_shrink_nor_pass_the_longest(
+            attempts in proptest::prelude::any::<u32>(),
+            first in duration(),
+            longest in duration(),
+            multiplier in multiplier(),
+            attempt in proptest::prelude::any::<u32>(),
+        ) {
+            let policy = RetryPolicy::new(attempts, first).multiplier(multiplier).max_delay(longest);
+            let delay = policy.delay_after(attempt);
+            proptest::prop_assert!(delay <= longest);
+            if let Some(next) = attempt.checked_add(1) {
+                proptest::prop_assert!(delay <= policy.delay_after(next));
+            }
+            if multiplier >= 1.0 && multiplier.is_finite() && attempt <= 1 {
+                proptest::prop_assert_eq!(delay, first.min(longest));
+            }
+            let route = Route::failure(true, "oops", attempt, &policy);
+            let retried = matches!(route, Route::Retry { .. });
+            proptest::prop_assert_eq!(retried, attempt < policy.max_attempts);
+        }
+    }
+
+    #[test]
+    fn sixty_six_attempts_and_more_have_capped_delays() {
+        let longest = Duration::from_secs(60);
+        for attempts in [66, 100, 1_000, u32::MAX] {
+            let policy = RetryPolicy::new(attempts, Duration::from_secs(1)).max_delay(longest);
+            for attempt in [1, 64, 65, 66, 1_000, u32::MAX] {
+                assert!(policy.delay_after(attempt) <= longest);
+            }
+            assert_eq!(policy.delay_after(attempts - 1), longest);
+        }
     }
 
     #[test]

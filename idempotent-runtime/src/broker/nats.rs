@@ -34,10 +34,30 @@
 //!   the attempt is JetStream's own delivery count, so a crash redelivery counts too. Give the
 //!   consumer a `max_deliver` above the policy's `max_attempts` (or none): JetStream stops
 //!   delivering at `max_deliver` on its own, without a dead letter.
-//! - **Dead letters** are published to the subject you name (which a stream must capture, or the
-//!   publish fails and the delivery is left to be delivered again) with the headers
+//! - **Attempts** are JetStream's own delivery count of this consumer: a producer's header does not
+//!   count, and a dead letter published back to the stream on purpose is a new stream message,
+//!   which starts again at attempt 1. (Within the stream's duplicate window JetStream drops a
+//!   message published again with the same `Nats-Msg-Id`: put dead letters back after it.)
+//! - **Dead letters** are published to the subject you name with the headers
 //!   `Idempotent-Reason`, `Idempotent-Attempts` and `Idempotent-Subject`, and once JetStream stored
-//!   them the delivery is terminated (`term`): JetStream will not deliver it again.
+//!   them the delivery is terminated (`term`): JetStream will not deliver it again. A stream must
+//!   capture that subject: the runner checks at start, and returns
+//!   [`BrokerError::DeadLetterTarget`] before it takes a delivery when none does.
+//! - **A dead letter that cannot be published** (the stream was deleted since, JetStream did not
+//!   confirm it within the [publish timeout](Runner::publish_timeout), 10 s by default) does not
+//!   stop the runner: the delivery is `nak`ed with a back-off of its own (1 s, doubling per failure
+//!   of that message, at most a minute), and the runner goes on with the others.
+//! - **The consumer must acknowledge explicitly** (`AckPolicy::Explicit`, JetStream's default):
+//!   with `All`, one acknowledgement settles every earlier message, those other workers still
+//!   handle included, and a crash then loses them; with `None` nothing is redelivered. The runner
+//!   refuses any other policy at start with [`BrokerError::AckPolicy`].
+//! - **Connections**: the NATS client reconnects by itself. While the server is away the runner's
+//!   pull requests fail: it says so once at `warn`, tries again after a back-off (100 ms, doubling,
+//!   at most 5 s, jittered), says at `info` when messages come again, and counts it
+//!   ([`RunnerStats::reconnects`], the `idempotent_runner_reconnects_total` metric); it never ends
+//!   for that. Acknowledgements that fail meanwhile leave their messages to be delivered again
+//!   after `ack_wait`, which the inbox finds to be duplicates. A deleted consumer or stream ends
+//!   the runner with [`BrokerError::Cancelled`].
 //! - A handler that runs longer than half the consumer's `ack_wait` sends in-progress acks, so
 //!   JetStream does not deliver the message to someone else meanwhile.
 //! - The runner pulls at most `workers` messages at a time (batches: `workers` × the batch size),
@@ -65,7 +85,7 @@ use async_nats::jetstream::{self, AckKind};
 use futures_util::StreamExt;
 
 use super::{
-    BatchBody, Batches, BeforeSettle, BrokerError, Delivery, Message, MessageId, Options,
+    BatchBody, Batches, BeforeSettle, BrokerError, Delivery, Message, MessageId, Options, Outage,
     Redelivered, RetryPolicy, Route, RunnerStats, Shutdown, StreamSequence, Take, drive,
 };
 use crate::error::Error;
@@ -127,6 +147,14 @@ impl Runner {
         self
     }
 
+    /// Waits at most `timeout` for JetStream to store a dead letter the runner publishes (default
+    /// [`DEFAULT_PUBLISH_TIMEOUT`](super::DEFAULT_PUBLISH_TIMEOUT), 10 s); past it, the delivery
+    /// is `nak`ed with a back-off.
+    pub fn publish_timeout(mut self, timeout: Duration) -> Self {
+        self.options.publish_timeout = timeout;
+        self
+    }
+
     /// Stops gracefully when `shutdown` is cancelled.
     pub fn shutdown_on(mut self, shutdown: Shutdown) -> Self {
         self.options.shutdown = shutdown;
@@ -146,8 +174,9 @@ impl Runner {
         self.options.stats()
     }
 
-    /// Consumes until the shutdown token is cancelled (or the consumer's stream fails), with a
-    /// handler from `new_worker` per worker. Returns what it counted.
+    /// Checks the consumer's ack policy and the dead-letter subject, then consumes until the
+    /// shutdown token is cancelled (or the consumer is deleted), with a handler from `new_worker`
+    /// per worker. Returns what it counted.
     pub async fn run<F, W, Fut, T, E>(self, new_worker: F) -> Result<RunnerStats, BrokerError>
     where
         F: FnMut() -> W,
@@ -185,7 +214,7 @@ impl Runner {
         self.consume(workers, take, process).await
     }
 
-    /// Pulls from the consumer and drives the workers.
+    /// Checks the setup, pulls from the consumer and drives the workers.
     async fn consume<W, P, PF>(
         self,
         workers: Vec<W>,
@@ -195,20 +224,38 @@ impl Runner {
     where
         W: Send + 'static,
         P: FnMut(W, Vec<NatsDelivery>) -> PF,
-        PF: Future<Output = (W, Result<(), BrokerError>)> + Send + 'static,
+        PF: Future<Output = W> + Send + 'static,
     {
-        let ack_wait = self.consumer.cached_info().config.ack_wait;
+        let info = self.consumer.cached_info();
+        let policy = info.config.ack_policy;
+        if policy != jetstream::consumer::AckPolicy::Explicit {
+            return Err(BrokerError::AckPolicy {
+                found: format!("{policy:?}"),
+            });
+        }
+        let ack_wait = info.config.ack_wait;
+        let name = format!("{}/{}", info.stream_name, info.name);
+        self.check_dead_letters().await?;
         let context = Arc::new(Context {
             jetstream: self.jetstream.clone(),
             dead_letters: self.dead_letters.clone(),
             // In-progress acks well before JetStream gives up on the delivery.
             progress_every: (ack_wait / 2).max(Duration::from_millis(100)),
+            publish_timeout: self.options.publish_timeout,
         });
         let mut pull = Pull {
+            client: self.jetstream.client(),
             consumer: self.consumer.clone(),
             size: self.options.workers * take.most,
             current: None,
+            outage: Outage::new("nats", name.clone(), None),
         };
+        // The connection's losses and returns, said and counted as they happen, whatever the
+        // workers are doing.
+        let watch = tokio::spawn(watch_connection(
+            self.jetstream.client(),
+            Outage::new("nats", name, Some(self.options.counters.clone())),
+        ));
         let deliveries = futures_util::stream::unfold(&mut pull, |pull| async move {
             let message = pull.next().await;
             Some((message, pull))
@@ -227,6 +274,7 @@ impl Runner {
             process,
         )
         .await;
+        watch.abort();
         // Pulled but not started: back to JetStream at once. Only the pull request under way:
         // the runner makes no new one.
         if let Some(mut batch) = pull.current.take() {
@@ -238,6 +286,37 @@ impl Runner {
         }
         driven?;
         Ok(self.options.counters.snapshot())
+    }
+
+    /// Whether a stream captures the dead-letter subject: [`BrokerError::DeadLetterTarget`] when
+    /// none does. A server that does not answer is waited for.
+    async fn check_dead_letters(&self) -> Result<(), BrokerError> {
+        use jetstream::context::GetStreamByNameErrorKind;
+        let target = self.dead_letters.as_str();
+        let mut outage = Outage::new("nats", target.to_owned(), None);
+        loop {
+            let found = tokio::select! {
+                found = self.jetstream.stream_by_subject(target) => found,
+                () = self.options.shutdown.cancelled() => return Ok(()),
+            };
+            let reason = match found {
+                Ok(_) => return Ok(()),
+                Err(error) => match error.kind() {
+                    GetStreamByNameErrorKind::NotFound => "no stream captures the subject".into(),
+                    GetStreamByNameErrorKind::InvalidSubject => "it is not a valid subject".into(),
+                    GetStreamByNameErrorKind::JetStream(error) => error.to_string(),
+                    GetStreamByNameErrorKind::Request => {
+                        let after = outage.failed(&error);
+                        tokio::time::sleep(after).await;
+                        continue;
+                    }
+                },
+            };
+            return Err(BrokerError::DeadLetterTarget {
+                target: target.to_owned(),
+                reason,
+            });
+        }
     }
 }
 
@@ -251,35 +330,107 @@ const PULL_EXPIRES: Duration = Duration::from_secs(5);
 /// saw its request go out, as on a busy machine) and wait the request's expiry plus 5 s, 35 s by
 /// default, before it asks again.
 struct Pull {
+    client: async_nats::Client,
     consumer: PullConsumer,
     size: usize,
     current: Option<jetstream::consumer::pull::Batch>,
+    outage: Outage,
 }
 
 impl Pull {
-    /// The next message, making pull requests until one brings it.
+    /// The next message, making pull requests until one brings it; pull requests that fail (the
+    /// server is away) are made again after a back-off. An error only when the consumer is gone.
     async fn next(&mut self) -> Result<jetstream::Message, BrokerError> {
         loop {
+            if !self.connected() {
+                // The pull request under way died with the connection.
+                self.current = None;
+                let lost = std::io::Error::other("the connection to the NATS server is lost");
+                let after = self.outage.failed(&lost);
+                tokio::time::sleep(after).await;
+                continue;
+            }
             if let Some(batch) = self.current.as_mut() {
-                match batch.next().await {
-                    Some(Ok(message)) => return Ok(message),
+                let next = tokio::select! {
+                    next = batch.next() => next,
+                    () = disconnected(&self.client) => continue,
+                };
+                match next {
+                    Some(Ok(message)) => {
+                        self.outage.restored();
+                        return Ok(message);
+                    }
                     Some(Err(error)) => {
                         self.current = None;
-                        return Err(BrokerError::Broker(error));
+                        let after = self.outage.failed(error.as_ref());
+                        self.wait(after).await?;
+                        continue;
                     }
                     None => self.current = None,
                 }
             }
-            let batch = self
+            match self
                 .consumer
                 .batch()
                 .max_messages(self.size)
                 .expires(PULL_EXPIRES)
                 .messages()
                 .await
-                .map_err(BrokerError::broker)?;
-            self.current = Some(batch);
+            {
+                Ok(batch) => {
+                    self.outage.restored();
+                    self.current = Some(batch);
+                }
+                Err(error) => {
+                    let after = self.outage.failed(&error);
+                    self.wait(after).await?;
+                }
+            }
         }
+    }
+
+    fn connected(&self) -> bool {
+        self.client.connection_state() == async_nats::connection::State::Connected
+    }
+
+    /// After a failed pull: [`BrokerError::Cancelled`] when the consumer or its stream was
+    /// deleted, otherwise a wait of `after` before the next pull.
+    async fn wait(&mut self, after: Duration) -> Result<(), BrokerError> {
+        use jetstream::context::ConsumerInfoErrorKind;
+        if let Err(error) = self.consumer.get_info().await
+            && matches!(
+                error.kind(),
+                ConsumerInfoErrorKind::NotFound | ConsumerInfoErrorKind::StreamNotFound
+            )
+        {
+            let info = self.consumer.cached_info();
+            return Err(BrokerError::Cancelled {
+                source_name: format!("{}/{}", info.stream_name, info.name),
+            });
+        }
+        tokio::time::sleep(after).await;
+        Ok(())
+    }
+}
+
+/// Says when the client loses its connection and when it has it back, and counts the returns
+/// (checked every 100 ms; the client itself reconnects).
+async fn watch_connection(client: async_nats::Client, mut outage: Outage) {
+    let lost = std::io::Error::other("the connection to the NATS server is lost");
+    loop {
+        if client.connection_state() == async_nats::connection::State::Connected {
+            outage.restored();
+        } else {
+            outage.failed(&lost);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Returns once the client is not connected (checked every 100 ms).
+async fn disconnected(client: &async_nats::Client) {
+    while client.connection_state() == async_nats::connection::State::Connected {
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 
@@ -288,6 +439,7 @@ struct Context {
     jetstream: jetstream::Context,
     dead_letters: String,
     progress_every: Duration,
+    publish_timeout: Duration,
 }
 
 struct NatsDelivery {
@@ -296,6 +448,8 @@ struct NatsDelivery {
 }
 
 impl Delivery for NatsDelivery {
+    const RELEASE_DELAYS: bool = true;
+
     fn message(&self) -> Result<Message, String> {
         let message_id = self
             .message
@@ -330,12 +484,12 @@ impl Delivery for NatsDelivery {
         })
     }
 
-    async fn settle(self, route: Route) -> Result<(), BrokerError> {
+    async fn settle(&self, route: &Route) -> Result<(), BrokerError> {
         match route {
             Route::Ack => self.message.double_ack().await.map_err(BrokerError::Broker),
             Route::Retry { after, .. } => self
                 .message
-                .ack_with(AckKind::Nak(Some(after)))
+                .ack_with(AckKind::Nak(Some(*after)))
                 .await
                 .map_err(BrokerError::Broker),
             Route::DeadLetter { reason, attempts } => {
@@ -356,21 +510,25 @@ impl Delivery for NatsDelivery {
                         .await
                         .map_err(BrokerError::broker)
                 };
-                match stored.await {
-                    Ok(_) => self
+                let after = self.context.publish_timeout;
+                match tokio::time::timeout(after, stored).await {
+                    Err(_) => Err(BrokerError::Timeout {
+                        what: "dead letter",
+                        after,
+                    }),
+                    Ok(Err(error)) => Err(error),
+                    Ok(Ok(_)) => self
                         .message
                         .ack_with(AckKind::Term)
                         .await
                         .map_err(BrokerError::Broker),
-                    Err(error) => {
-                        // Not stored: leave it to JetStream to deliver again.
-                        tracing::warn!(%error, "could not dead-letter a delivery; nak'd");
-                        let _ = self.message.ack_with(AckKind::Nak(None)).await;
-                        Err(error)
-                    }
                 }
             }
         }
+    }
+
+    async fn release(self, after: Duration) {
+        let _ = self.message.ack_with(AckKind::Nak(Some(after))).await;
     }
 
     async fn keep_alive(&self) {

@@ -306,6 +306,10 @@ pub(crate) fn fault_of(error: &(dyn std::error::Error + 'static)) -> Fault {
     use sqlx::error::DatabaseError;
     let mut next = Some(error);
     while let Some(error) = next {
+        // The handler's own mark of a transient failure (a downstream 503).
+        if error.is::<crate::Retryable>() {
+            return Fault::Transient;
+        }
         if let Some(error) = error.downcast_ref::<sqlx::Error>() {
             return match error {
                 sqlx::Error::Io(_)
