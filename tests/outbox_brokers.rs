@@ -338,3 +338,290 @@ async fn jetstream_stores_each_message_with_the_outbox_id_once_and_subjects_with
     expected.sort();
     assert_eq!(got, expected);
 }
+
+fn amqp_url() -> String {
+    std::env::var("IDEMPOTENT_AMQP_URL")
+        .expect("IDEMPOTENT_AMQP_URL is not set: run the tests with scripts/test")
+}
+
+/// A channel of the test's own (in publisher-confirm mode) and a fresh durable queue on it,
+/// declared with `arguments`.
+async fn rabbitmq_queue(arguments: lapin::types::FieldTable) -> (lapin::Channel, String) {
+    use lapin::options::{ConfirmSelectOptions, QueueDeclareOptions};
+    use lapin::{Connection, ConnectionProperties};
+    let connection = Connection::connect(&amqp_url(), ConnectionProperties::default())
+        .await
+        .unwrap();
+    let channel = connection.create_channel().await.unwrap();
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    let queue = format!("outbox-{}", uuid::Uuid::new_v4().simple());
+    channel
+        .queue_declare(
+            queue.as_str().into(),
+            QueueDeclareOptions::durable(),
+            arguments,
+        )
+        .await
+        .unwrap();
+    // The channel keeps its connection open for as long as the test holds the channel.
+    std::mem::forget(connection);
+    (channel, queue)
+}
+
+/// Takes every message off `queue`: their message ids, in the order they came.
+async fn rabbitmq_ids(channel: &lapin::Channel, queue: &str) -> Vec<String> {
+    use lapin::options::BasicGetOptions;
+    let mut ids = Vec::new();
+    while let Some(delivery) = channel
+        .basic_get(queue.into(), BasicGetOptions { no_ack: true })
+        .await
+        .unwrap()
+    {
+        ids.push(
+            delivery
+                .properties
+                .message_id()
+                .as_ref()
+                .unwrap()
+                .to_string(),
+        );
+    }
+    ids
+}
+
+/// Asserts that `got` holds each of `expected` at least once, and nothing else; returns how many
+/// copies it holds beyond one of each.
+fn each_at_least_once(got: &[String], expected: &[String]) -> usize {
+    let unique: std::collections::HashSet<&String> = got.iter().collect();
+    let wanted: std::collections::HashSet<&String> = expected.iter().collect();
+    assert_eq!(
+        unique.len(),
+        wanted.len(),
+        "{} of {} messages arrived",
+        unique.intersection(&wanted).count(),
+        wanted.len()
+    );
+    assert_eq!(unique, wanted, "other messages arrived");
+    got.len() - unique.len()
+}
+
+/// One row addressed to an exchange that does not exist, the oldest, among 200 good rows: the
+/// broker closes a channel that publishes to a missing exchange (404), which must not take the
+/// others down with it. Every good row is published, and the bad one is parked with the broker's
+/// reason after its attempts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rabbitmq_a_missing_exchange_is_parked_and_holds_up_none_of_200_other_rows() {
+    let (channel, queue) = rabbitmq_queue(lapin::types::FieldTable::default()).await;
+    let two = Two::new().await;
+    let missing = Destination::exchange(format!("missing-{queue}"), "paid");
+    let lost = two.orders("missing", 1, &missing).await;
+    let ids = two
+        .orders("paid", 200, &Destination::queue(queue.clone()))
+        .await;
+    let publisher = idempotent::broker::rabbitmq::OutboxPublisher::connect(&amqp_url())
+        .await
+        .unwrap();
+    let relay = two
+        .producer
+        .spawn_relay(publisher, options().batch_size(50));
+    two.until_published(200, 1).await;
+    relay.shutdown().await;
+    let parked = two.producer.parked_messages(None, 10).await.unwrap();
+    assert_eq!(parked.len(), 1);
+    assert_eq!(parked[0].message_id, lost[0]);
+    assert_eq!(parked[0].attempts, 2);
+    let reason = parked[0].last_error.clone().unwrap();
+    assert!(reason.contains("NOT_FOUND"), "{reason}");
+    each_at_least_once(&rabbitmq_ids(&channel, &queue).await, &ids);
+}
+
+/// The same on JetStream: one row to a subject that no stream captures, the oldest, among 200 good
+/// rows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jetstream_a_subject_without_a_stream_is_parked_and_holds_up_none_of_200_other_rows() {
+    use idempotent::broker::nats::async_nats::{self, jetstream};
+    let url = std::env::var("IDEMPOTENT_NATS_URL")
+        .expect("IDEMPOTENT_NATS_URL is not set: run the tests with scripts/test");
+    let context = jetstream::new(async_nats::connect(&url).await.unwrap());
+    let prefix = uuid::Uuid::new_v4().simple().to_string();
+    context
+        .create_stream(jetstream::stream::Config {
+            name: format!("O_{prefix}"),
+            subjects: vec![format!("{prefix}.>")],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let two = Two::new().await;
+    let nowhere = Destination::subject(format!("nostream-{prefix}.paid"));
+    let lost = two.orders("nowhere", 1, &nowhere).await;
+    two.orders("paid", 200, &Destination::subject(format!("{prefix}.paid")))
+        .await;
+    let publisher = idempotent::broker::nats::OutboxPublisher::new(context.clone());
+    let relay = two
+        .producer
+        .spawn_relay(publisher, options().batch_size(50));
+    two.until_published(200, 1).await;
+    relay.shutdown().await;
+    let parked = two.producer.parked_messages(None, 10).await.unwrap();
+    assert_eq!(parked.len(), 1);
+    assert_eq!(
+        (parked[0].message_id.as_str(), parked[0].attempts),
+        (lost[0].as_str(), 2)
+    );
+    let mut info = context.get_stream(format!("O_{prefix}")).await.unwrap();
+    assert_eq!(info.info().await.unwrap().state.messages, 200);
+}
+
+/// A queue that is full and refuses publishes (`x-max-length` 1, `x-overflow: reject-publish`)
+/// gets the oldest row; 1,000 rows go to a healthy queue. The refusal is the row's own: it is
+/// retried after its own back-off and parked after its attempts, while every healthy row goes
+/// out (the whole relay backing off at each refusal would take minutes); once the queue has room,
+/// the parked row retried by hand is delivered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rabbitmq_a_full_queue_refusing_publishes_backs_off_alone_while_the_rest_flows() {
+    use lapin::options::{BasicPublishOptions, QueuePurgeOptions};
+    use lapin::types::{AMQPValue, FieldTable, ShortString};
+    let mut limited = FieldTable::default();
+    limited.insert(ShortString::from("x-max-length"), AMQPValue::LongLongInt(1));
+    limited.insert(
+        ShortString::from("x-overflow"),
+        AMQPValue::LongString("reject-publish".into()),
+    );
+    let (channel, full) = rabbitmq_queue(limited).await;
+    let confirmation = channel
+        .basic_publish(
+            "".into(),
+            full.as_str().into(),
+            BasicPublishOptions::default(),
+            b"filler",
+            lapin::BasicProperties::default(),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    assert!(
+        confirmation.is_ack(),
+        "the queue did not take its one message"
+    );
+    let (_, healthy) = rabbitmq_queue(FieldTable::default()).await;
+
+    let two = Two::new().await;
+    let refused = two
+        .orders("refused", 1, &Destination::queue(full.clone()))
+        .await;
+    let ids = two
+        .orders("paid", 1000, &Destination::queue(healthy.clone()))
+        .await;
+    let publisher = idempotent::broker::rabbitmq::OutboxPublisher::connect(&amqp_url())
+        .await
+        .unwrap();
+    let options = options()
+        .batch_size(50)
+        .attempts(3, Duration::from_millis(200));
+    let relay = two.producer.spawn_relay(publisher, options);
+    two.until_published(1000, 1).await;
+    let parked = two.producer.parked_messages(None, 10).await.unwrap();
+    assert_eq!(parked.len(), 1);
+    assert_eq!(
+        (parked[0].message_id.as_str(), parked[0].attempts),
+        (refused[0].as_str(), 3)
+    );
+    let reason = parked[0].last_error.clone().unwrap();
+    assert!(reason.contains("basic.nack"), "{reason}");
+    each_at_least_once(&rabbitmq_ids(&channel, &healthy).await, &ids);
+
+    // Room is made: retried by hand, the row is delivered.
+    channel
+        .queue_purge(full.as_str().into(), QueuePurgeOptions::default())
+        .await
+        .unwrap();
+    assert!(two.producer.retry_parked(parked[0].row).await.unwrap());
+    two.until_published(1001, 0).await;
+    relay.shutdown().await;
+    assert_eq!(rabbitmq_ids(&channel, &full).await, refused);
+}
+
+/// Runs `rabbitmqctl` on the test broker's node (`IDEMPOTENT_AMQP_CTL`, which `scripts/rabbitmq
+/// start` prints).
+fn rabbitmqctl(args: &str) {
+    let ctl = std::env::var("IDEMPOTENT_AMQP_CTL")
+        .expect("IDEMPOTENT_AMQP_CTL is not set: run the tests with scripts/test");
+    let status = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(format!("{ctl} {args}"))
+        .status()
+        .unwrap();
+    assert!(status.success(), "rabbitmqctl {args}: {status}");
+}
+
+/// A memory alarm on the test broker for as long as it lives: RabbitMQ blocks every connection
+/// that publishes.
+struct MemoryAlarm;
+
+impl MemoryAlarm {
+    fn raise() -> Self {
+        rabbitmqctl("eval 'rabbit_alarm:set_alarm({{resource_limit, memory, node()}, []}).'");
+        Self
+    }
+}
+
+impl Drop for MemoryAlarm {
+    fn drop(&mut self) {
+        rabbitmqctl("eval 'rabbit_alarm:clear_alarm({resource_limit, memory, node()}).'");
+    }
+}
+
+/// A memory alarm while a relay publishes 1,000 rows: the broker blocks the publisher's
+/// connection, so no publication is confirmed until the alarm clears. The relay waits out each
+/// publication at most its `publish_timeout`, several times over; it neither hangs (its shutdown
+/// returns) nor loses a row, goes on once the alarm clears, and publishes a row again only if the
+/// broker may not have it: at most one batch's rows arrive twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rabbitmq_memory_alarm_holds_the_relay_until_it_clears_without_losing_or_doubling_rows() {
+    let (channel, queue) = rabbitmq_queue(lapin::types::FieldTable::default()).await;
+    let two = Two::new().await;
+    let ids = two
+        .orders("paid", 1000, &Destination::queue(queue.clone()))
+        .await;
+    let publisher = idempotent::broker::rabbitmq::OutboxPublisher::connect(&amqp_url())
+        .await
+        .unwrap();
+    const BATCH: usize = 100;
+    let options = options()
+        .batch_size(BATCH)
+        .publish_timeout(Duration::from_millis(500));
+    let alarm = MemoryAlarm::raise();
+    let relay = two.producer.spawn_relay(publisher, options);
+    // The relay tried and found no confirmation, again and again.
+    let start = Instant::now();
+    while relay.stats().retried < 4 * BATCH as u64 {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "the relay did not try: {:?}",
+            relay.stats()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let during = two.producer.outbox_stats().await.unwrap();
+    assert_eq!(during.sent, 0, "sent while the broker blocked publishing");
+    drop(alarm);
+    two.until_published(1000, 0).await;
+    let stats = tokio::time::timeout(Duration::from_secs(30), relay.shutdown())
+        .await
+        .expect("the relay's shutdown hung");
+    let got = rabbitmq_ids(&channel, &queue).await;
+    let doubled = each_at_least_once(&got, &ids);
+    eprintln!(
+        "memory alarm: {} publications of 1,000 rows, {doubled} duplicates; relay {stats:?}",
+        got.len()
+    );
+    assert!(
+        doubled <= BATCH,
+        "{doubled} duplicate publications for 1,000 rows"
+    );
+}

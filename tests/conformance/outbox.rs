@@ -123,7 +123,7 @@ async fn drain<H: Harness>(h: &H, publisher: &Arc<Recorder>, options: &RelayOpti
 }
 
 /// Waits until no outgoing message is pending, for at most a minute.
-async fn until_drained<H: Harness>(h: &H) {
+pub async fn until_drained<H: Harness>(h: &H) {
     let start = Instant::now();
     while h.inbox().outbox_stats().await.unwrap().pending > 0 {
         assert!(
