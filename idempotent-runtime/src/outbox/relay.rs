@@ -326,8 +326,11 @@ impl<DB: Backend, P: Publisher> Worker<DB, P> {
             let wait = match batch {
                 Ok(report) => {
                     self.counters.count(&report);
-                    if report.unavailable > 0 {
-                        // The broker is in trouble: back off, as after a database failure.
+                    if report.unavailable > 0 && report.published == 0 {
+                        // Nothing got through: the broker is in trouble (down, blocking
+                        // publishers). Back off, as after a database failure. A refusal, or some
+                        // rows not confirmed while others were, is the rows' own trouble: their
+                        // back-off is their own (`due_at`), and the others go on at once.
                         trouble = next_pause(trouble);
                         trouble
                     } else {
@@ -436,7 +439,7 @@ async fn run_batch<DB: Backend, P: Publisher>(
 ) -> Result<RelayReport, InboxError> {
     let statements = &inbox.config.statements.outbox;
     let failed = || database_error(Stage::Relay);
-    let mut tx = InboxTransaction::begin(inbox.resources())
+    let mut tx = InboxTransaction::begin_as(inbox.resources(), DB::BEGIN_RELAY)
         .await
         .map_err(|error| match error {
             BeginError::Acquire(error) | BeginError::Begin(error) => failed()(error),

@@ -110,6 +110,13 @@ impl Store for MySql {
 
     const BEGIN: &'static str = "SET autocommit = 0; START TRANSACTION; SAVEPOINT idempotent_claim";
 
+    /// `READ COMMITTED` for this one transaction: at `REPEATABLE READ` the batch's `SELECT … FOR
+    /// UPDATE SKIP LOCKED` leaves next-key locks on what it scanned (the table's end included),
+    /// every insert of a writer waits for the batch, and the batch, waiting for a row such a writer
+    /// inserted before, deadlocks with it.
+    const BEGIN_RELAY: &'static str = "SET autocommit = 0; \
+        SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION; SAVEPOINT idempotent_claim";
+
     type Settings = ();
     type Watch = ();
 

@@ -15,7 +15,8 @@ use crate::outbox::{Publication, PublishError, Publisher};
 /// |---|---|
 /// | acknowledges (stored, or a duplicate) | marks the row sent |
 /// | no stream captures the subject; the message is larger than the server takes; a destination with an exchange | [`PublishError::Rejected`]: an attempt; parked after the last |
-/// | no acknowledgement in time, a lost connection (the client reconnects by itself), a stream refusing more for now | [`PublishError::Unavailable`]: left pending |
+/// | the stream refuses it (full with `DiscardPolicy::New`, or another error of the stream's) | [`PublishError::Rejected`]: an attempt, the row's own back-off; parked after the last |
+/// | no acknowledgement in time, a lost connection (the client reconnects by itself) | [`PublishError::Unavailable`]: left pending |
 ///
 /// [`Destination::subject`]: crate::outbox::Destination::subject
 #[derive(Debug, Clone)]
@@ -67,6 +68,18 @@ impl Publisher for OutboxPublisher {
                     "{error} (subject {:?})",
                     destination.routing_key
                 ))),
+                // The stream answered, refusing this message (full, with `DiscardPolicy::New`; a
+                // message larger than it takes): the destination's trouble, not the server's.
+                PublishErrorKind::Other
+                    if std::error::Error::source(&error)
+                        .is_some_and(|source| source.is::<jetstream::Error>()) =>
+                {
+                    Err(PublishError::rejected(format!(
+                        "the stream refused the message: {} (subject {:?})",
+                        std::error::Error::source(&error).map_or(String::new(), |s| s.to_string()),
+                        destination.routing_key
+                    )))
+                }
                 _ => Err(PublishError::unavailable(error)),
             },
         }
