@@ -625,3 +625,38 @@ async fn rabbitmq_memory_alarm_holds_the_relay_until_it_clears_without_losing_or
         "{doubled} duplicate publications for 1,000 rows"
     );
 }
+
+/// The README's figure: a memory alarm of 15 s over a relay with 1,000 rows to publish, with the
+/// default `publish_timeout` (10 s) and with 2 s; prints the duplicates the queue got and how
+/// long after the alarm cleared the last row was sent. A measurement, run by hand:
+/// `cargo test --all-features --test outbox_brokers -- --ignored --nocapture alarm_of_15_s`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a measurement of about 40 s, for the README"]
+async fn rabbitmq_memory_alarm_of_15_s_duplicates_measured() {
+    for timeout in [10, 2] {
+        let (channel, queue) = rabbitmq_queue(lapin::types::FieldTable::default()).await;
+        let two = Two::new().await;
+        let ids = two
+            .orders("paid", 1000, &Destination::queue(queue.clone()))
+            .await;
+        let publisher = idempotent::broker::rabbitmq::OutboxPublisher::connect(&amqp_url())
+            .await
+            .unwrap();
+        let alarm = MemoryAlarm::raise();
+        let options = RelayOptions::default().publish_timeout(Duration::from_secs(timeout));
+        let relay = two.producer.spawn_relay(publisher, options);
+        // The alarm's length is what is measured, not a wait for something.
+        tokio::time::sleep(Duration::from_secs(15)).await;
+        drop(alarm);
+        let cleared = Instant::now();
+        two.until_published(1000, 0).await;
+        let resumed = cleared.elapsed();
+        relay.shutdown().await;
+        let got = rabbitmq_ids(&channel, &queue).await;
+        let doubled = each_at_least_once(&got, &ids);
+        eprintln!(
+            "publish_timeout {timeout} s: {doubled} duplicates of 1,000 rows; all sent {resumed:?} \
+             after the alarm cleared"
+        );
+    }
+}

@@ -45,7 +45,9 @@ pub struct RelayOptions {
     /// The longest wait of an idle relay between two looks (default 1 s). With `LISTEN` it is the
     /// fallback that finds what a lost notification did not announce.
     pub max_poll_interval: Duration,
-    /// How long the relay waits for the broker to confirm one message (default 10 s): an
+    /// How long the relay waits for the broker to confirm one message (default 10 s), connecting
+    /// and checking its destination included: every publication has this bound, so a broker that
+    /// blocks publishers (a resource alarm) or never answers holds a batch this long at most. An
     /// unconfirmed message stays pending and is published again later.
     pub publish_timeout: Duration,
     /// Batches run at once, each on a connection of its own (default 1).
