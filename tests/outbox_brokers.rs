@@ -546,6 +546,63 @@ async fn rabbitmq_a_full_queue_refusing_publishes_backs_off_alone_while_the_rest
     assert_eq!(rabbitmq_ids(&channel, &full).await, refused);
 }
 
+/// The same on JetStream: a stream that is full and refuses more (`max_messages` 1,
+/// `DiscardPolicy::New`) gets the oldest row, 200 rows go to another stream. The refused row is
+/// parked after its attempts while the 200 go out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jetstream_a_full_stream_refusing_messages_backs_off_alone_while_the_rest_flows() {
+    use idempotent::broker::nats::async_nats::{self, jetstream};
+    let url = std::env::var("IDEMPOTENT_NATS_URL")
+        .expect("IDEMPOTENT_NATS_URL is not set: run the tests with scripts/test");
+    let context = jetstream::new(async_nats::connect(&url).await.unwrap());
+    let prefix = uuid::Uuid::new_v4().simple().to_string();
+    for (name, max_messages) in [("FULL", 1), ("OPEN", -1)] {
+        context
+            .create_stream(jetstream::stream::Config {
+                name: format!("{name}_{prefix}"),
+                subjects: vec![format!("{prefix}.{name}")],
+                max_messages,
+                discard: jetstream::stream::DiscardPolicy::New,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+    }
+    context
+        .publish(format!("{prefix}.FULL"), "filler".into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    let two = Two::new().await;
+    let refused = two
+        .orders(
+            "refused",
+            1,
+            &Destination::subject(format!("{prefix}.FULL")),
+        )
+        .await;
+    two.orders("paid", 200, &Destination::subject(format!("{prefix}.OPEN")))
+        .await;
+    let publisher = idempotent::broker::nats::OutboxPublisher::new(context.clone());
+    let options = options()
+        .batch_size(50)
+        .attempts(3, Duration::from_millis(200));
+    let relay = two.producer.spawn_relay(publisher, options);
+    two.until_published(200, 1).await;
+    relay.shutdown().await;
+    let parked = two.producer.parked_messages(None, 10).await.unwrap();
+    assert_eq!(parked.len(), 1);
+    assert_eq!(
+        (parked[0].message_id.as_str(), parked[0].attempts),
+        (refused[0].as_str(), 3)
+    );
+    let reason = parked[0].last_error.clone().unwrap();
+    assert!(reason.contains("the stream refused"), "{reason}");
+    let mut info = context.get_stream(format!("OPEN_{prefix}")).await.unwrap();
+    assert_eq!(info.info().await.unwrap().state.messages, 200);
+}
+
 /// Runs `rabbitmqctl` on the test broker's node (`IDEMPOTENT_AMQP_CTL`, which `scripts/rabbitmq
 /// start` prints).
 fn rabbitmqctl(args: &str) {
