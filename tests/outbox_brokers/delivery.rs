@@ -1,0 +1,197 @@
+//! What reaches the brokers: RabbitMQ gets every message persistent with the outbox id as
+//! `message_id` and its headers, an unroutable one is parked with `NO_ROUTE`; JetStream stores
+//! every message once, a subject without a stream is parked; rows published a second time (as
+//! after a relay that died between the confirmation and marking them sent) reach a downstream
+//! `#[idempotent(key = "message_id")]` handler as duplicates, or are dropped by the stream itself.
+
+use std::time::Duration;
+
+use idempotent::outbox::{Destination, OutboxState};
+
+use crate::{Incoming, Two, downstream, options};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rabbitmq_gets_each_message_persistent_with_the_outbox_id_and_unroutable_ones_are_parked() {
+    use lapin::options::{BasicAckOptions, BasicGetOptions, QueueDeclareOptions};
+    use lapin::types::{AMQPValue, FieldTable};
+    use lapin::{Connection, ConnectionProperties};
+
+    let url = std::env::var("IDEMPOTENT_AMQP_URL")
+        .expect("IDEMPOTENT_AMQP_URL is not set: run the tests with scripts/test");
+    let connection = Connection::connect(&url, ConnectionProperties::default())
+        .await
+        .unwrap();
+    let channel = connection.create_channel().await.unwrap();
+    let queue = format!("outbox-{}", uuid::Uuid::new_v4().simple());
+    channel
+        .queue_declare(
+            queue.as_str().into(),
+            QueueDeclareOptions::durable(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+
+    let two = Two::new().await;
+    let ids = two
+        .orders("paid", 20, &Destination::queue(queue.clone()))
+        .await;
+    let unroutable = Destination::exchange("amq.direct", format!("nobody-{queue}"));
+    let lost = two.orders("unroutable", 1, &unroutable).await;
+    let publisher = idempotent::broker::rabbitmq::OutboxPublisher::connect(&url)
+        .await
+        .unwrap();
+    let relay = two.producer.spawn_relay(publisher, options());
+    two.until_published(20, 1).await;
+
+    let parked = two.producer.parked_messages(None, 10).await.unwrap();
+    assert_eq!(parked.len(), 1);
+    assert_eq!(
+        (parked[0].message_id.as_str(), parked[0].state),
+        (lost[0].as_str(), OutboxState::Parked)
+    );
+    let reason = parked[0].last_error.clone().unwrap();
+    assert!(reason.contains("NO_ROUTE"), "{reason}");
+
+    // Published again, as after a relay that died after the confirmations: the same ids.
+    assert_eq!(two.as_if_never_marked().await, 20);
+    two.until_published(20, 1).await;
+    let stats = relay.shutdown().await;
+    assert_eq!((stats.published, stats.parked), (40, 1));
+
+    let mut deliveries = Vec::new();
+    while let Some(delivery) = channel
+        .basic_get(queue.as_str().into(), BasicGetOptions::default())
+        .await
+        .unwrap()
+    {
+        let properties = &delivery.properties;
+        assert_eq!(*properties.delivery_mode(), Some(2), "not persistent");
+        let id = properties.message_id().as_ref().unwrap().to_string();
+        let header = properties
+            .headers()
+            .as_ref()
+            .and_then(|headers| headers.inner().get("order-id").cloned());
+        let order = String::from_utf8(delivery.data.clone()).unwrap();
+        assert_eq!(
+            header,
+            Some(AMQPValue::LongString(order.as_str().into())),
+            "headers lost"
+        );
+        let handled = downstream(
+            &two.downstream,
+            &Incoming {
+                message_id: id.clone(),
+                payload: delivery.data.clone(),
+            },
+        )
+        .await
+        .unwrap();
+        deliveries.push((id, handled.is_duplicate()));
+        delivery.ack(BasicAckOptions::default()).await.unwrap();
+    }
+    assert_eq!(deliveries.len(), 40, "every row twice");
+    assert_eq!(deliveries.iter().filter(|(_, dup)| *dup).count(), 20);
+    let received = two.received().await;
+    let mut got: Vec<&String> = received.keys().collect();
+    got.sort();
+    let mut expected: Vec<&String> = ids.iter().collect();
+    expected.sort();
+    assert_eq!(
+        got, expected,
+        "the downstream keys are not the outbox's ids"
+    );
+    assert!(received.values().all(|n| *n == 1), "{received:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jetstream_stores_each_message_with_the_outbox_id_once_and_subjects_without_a_stream_are_parked()
+ {
+    use futures::StreamExt;
+    use idempotent::broker::nats::async_nats::{self, jetstream};
+
+    let url = std::env::var("IDEMPOTENT_NATS_URL")
+        .expect("IDEMPOTENT_NATS_URL is not set: run the tests with scripts/test");
+    let client = async_nats::connect(&url).await.unwrap();
+    let context = jetstream::new(client);
+    let prefix = uuid::Uuid::new_v4().simple().to_string();
+    let stream = context
+        .create_stream(jetstream::stream::Config {
+            name: format!("O_{prefix}"),
+            subjects: vec![format!("{prefix}.>")],
+            duplicate_window: Duration::from_secs(120),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+
+    let two = Two::new().await;
+    let ids = two
+        .orders("paid", 20, &Destination::subject(format!("{prefix}.paid")))
+        .await;
+    let lost = two
+        .orders(
+            "nowhere",
+            1,
+            &Destination::subject(format!("nostream-{prefix}.paid")),
+        )
+        .await;
+    let publisher = idempotent::broker::nats::OutboxPublisher::new(context.clone());
+    let relay = two.producer.spawn_relay(publisher, options());
+    two.until_published(20, 1).await;
+    let parked = two.producer.parked_messages(None, 10).await.unwrap();
+    assert_eq!(parked.len(), 1);
+    assert_eq!(parked[0].message_id, lost[0]);
+    let reason = parked[0].last_error.clone().unwrap();
+    assert!(reason.contains("no stream"), "{reason}");
+
+    // Published again: JetStream acknowledges the copies as duplicates of the ids it stored.
+    assert_eq!(two.as_if_never_marked().await, 20);
+    two.until_published(20, 1).await;
+    relay.shutdown().await;
+    let mut info = context.get_stream(format!("O_{prefix}")).await.unwrap();
+    assert_eq!(info.info().await.unwrap().state.messages, 20);
+
+    let consumer: jetstream::consumer::PullConsumer = stream
+        .create_consumer(jetstream::consumer::pull::Config {
+            durable_name: Some("downstream".into()),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let mut messages = consumer.fetch().max_messages(100).messages().await.unwrap();
+    let mut seen = 0;
+    while let Some(message) = messages.next().await {
+        let message = message.unwrap();
+        let headers = message.headers.clone().unwrap();
+        let id = headers
+            .get(async_nats::header::NATS_MESSAGE_ID)
+            .unwrap()
+            .to_string();
+        let order = String::from_utf8(message.payload.to_vec()).unwrap();
+        assert_eq!(
+            headers.get("order-id").unwrap().as_str(),
+            order,
+            "headers lost"
+        );
+        let incoming = Incoming {
+            message_id: id,
+            payload: message.payload.to_vec(),
+        };
+        assert!(
+            downstream(&two.downstream, &incoming)
+                .await
+                .unwrap()
+                .is_processed()
+        );
+        message.ack().await.unwrap();
+        seen += 1;
+    }
+    assert_eq!(seen, 20);
+    let received = two.received().await;
+    let mut got: Vec<&String> = received.keys().collect();
+    got.sort();
+    let mut expected: Vec<&String> = ids.iter().collect();
+    expected.sort();
+    assert_eq!(got, expected);
+}
