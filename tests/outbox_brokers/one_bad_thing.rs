@@ -38,6 +38,69 @@ async fn rabbitmq_a_missing_exchange_is_parked_and_holds_up_none_of_200_other_ro
     each_at_least_once(&rabbitmq_ids(&channel, &queue).await, &ids);
 }
 
+/// An exchange the publisher has published to (and so knows) is deleted while the relay runs:
+/// the next row to it closes the publisher's channel (404), failing the rows in flight beside it.
+/// That row is refused (an attempt), the exchange is checked again before its next attempt, which
+/// parks it, and the channel is opened again for the others: all 100 rows published after the
+/// deletion go out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rabbitmq_an_exchange_deleted_under_the_relay_is_parked_and_the_channel_reopened() {
+    use lapin::options::{ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions};
+    use lapin::types::FieldTable;
+    let (channel, queue) = rabbitmq_queue(FieldTable::default()).await;
+    let exchange = format!("doomed-{queue}");
+    channel
+        .exchange_declare(
+            exchange.as_str().into(),
+            lapin::ExchangeKind::Direct,
+            ExchangeDeclareOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    channel
+        .queue_bind(
+            queue.as_str().into(),
+            exchange.as_str().into(),
+            "paid".into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let two = Two::new().await;
+    let doomed = Destination::exchange(exchange.clone(), "paid");
+    let mut ids = two.orders("before", 5, &doomed).await;
+    let publisher = idempotent::broker::rabbitmq::OutboxPublisher::connect(&amqp_url())
+        .await
+        .unwrap();
+    let relay = two
+        .producer
+        .spawn_relay(publisher, options().batch_size(50));
+    two.until_published(5, 0).await;
+
+    channel
+        .exchange_delete(exchange.as_str().into(), ExchangeDeleteOptions::default())
+        .await
+        .unwrap();
+    let lost = two.orders("doomed", 1, &doomed).await;
+    ids.extend(
+        two.orders("after", 100, &Destination::queue(queue.clone()))
+            .await,
+    );
+    two.until_published(105, 1).await;
+    relay.shutdown().await;
+    let parked = two.producer.parked_messages(None, 10).await.unwrap();
+    assert_eq!(parked.len(), 1);
+    assert_eq!(
+        (parked[0].message_id.as_str(), parked[0].attempts),
+        (lost[0].as_str(), 2)
+    );
+    let reason = parked[0].last_error.clone().unwrap();
+    assert!(reason.contains("NOT_FOUND"), "{reason}");
+    each_at_least_once(&rabbitmq_ids(&channel, &queue).await, &ids);
+}
+
 /// The same on JetStream: one row to a subject that no stream captures, the oldest, among 200 good
 /// rows.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
