@@ -144,11 +144,12 @@ pub struct RelayReport {
     pub taken: usize,
     /// Rows the broker confirmed and the batch marked sent.
     pub published: usize,
-    /// Rows the broker refused, to be tried again after a back-off.
+    /// Rows the broker refused, each to be tried again after a back-off of its own.
     pub rejected: usize,
     /// Rows the broker refused for the last time: parked.
     pub parked: usize,
-    /// Rows the broker did not confirm (unreachable, no answer in time): left pending.
+    /// Rows the broker did not confirm (unreachable, blocking publishers, no answer in time):
+    /// left pending, with no attempt counted.
     pub unavailable: usize,
 }
 
