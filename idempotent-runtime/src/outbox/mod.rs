@@ -86,10 +86,12 @@
 //! ([`Inbox::retry_parked`], `idempotent outbox retry`). Meanwhile every other row, of other
 //! destinations and other ordering keys, goes out as before: a refusal never makes the relay as
 //! a whole wait, and a key whose head waits for its next attempt takes no place in a batch from
-//! a key that is ready. A broker that cannot be reached, blocks publishers (a resource alarm) or
-//! does not confirm within [`RelayOptions::publish_timeout`] ([`PublishError::Unavailable`])
-//! counts no attempt: the rows stay pending, and a batch that got nothing through makes the relay
-//! back off (100 ms doubling to 10 s). RabbitMQ's publisher checks an exchange once before its
+//! a key that is ready. (A queue that stays full longer than the attempts last, about 8.5
+//! minutes with the defaults, parks its rows: raise the attempts where queues stay full longer.)
+//! A broker that cannot be reached, blocks publishers (a resource alarm) or does not confirm
+//! within [`RelayOptions::publish_timeout`] ([`PublishError::Unavailable`]) counts no attempt:
+//! the rows stay pending, and a batch that got nothing through makes the relay back off (100 ms
+//! doubling to 10 s). RabbitMQ's publisher checks an exchange once before its
 //! first publication there (RabbitMQ closes the channel of a publish to a missing exchange, which
 //! would fail the others in flight on it), and waits for the confirmation of a publication the
 //! relay gave up on before it sends that message again: under an alarm, each message reaches the
