@@ -12,6 +12,7 @@ use crate::{Incoming, Two, downstream, options};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rabbitmq_gets_each_message_persistent_with_the_outbox_id_and_unroutable_ones_are_parked() {
+    let _no_alarm = crate::ALARM.read().await;
     use lapin::options::{BasicAckOptions, BasicGetOptions, QueueDeclareOptions};
     use lapin::types::{AMQPValue, FieldTable};
     use lapin::{Connection, ConnectionProperties};

@@ -11,6 +11,10 @@ mod alarm;
 mod delivery;
 mod one_bad_thing;
 
+/// Held for reading by each case on RabbitMQ, and for writing by a case that raises a memory
+/// alarm, which blocks every connection of the broker that publishes: no other case runs under it.
+static ALARM: tokio::sync::RwLock<()> = tokio::sync::RwLock::const_new(());
+
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 

@@ -14,6 +14,7 @@ use crate::{Two, amqp_url, each_at_least_once, options, rabbitmq_ids, rabbitmq_q
 /// reason after its attempts.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rabbitmq_a_missing_exchange_is_parked_and_holds_up_none_of_200_other_rows() {
+    let _no_alarm = crate::ALARM.read().await;
     let (channel, queue) = rabbitmq_queue(lapin::types::FieldTable::default()).await;
     let two = Two::new().await;
     let missing = Destination::exchange(format!("missing-{queue}"), "paid");
@@ -45,6 +46,7 @@ async fn rabbitmq_a_missing_exchange_is_parked_and_holds_up_none_of_200_other_ro
 /// deletion go out.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rabbitmq_an_exchange_deleted_under_the_relay_is_parked_and_the_channel_reopened() {
+    let _no_alarm = crate::ALARM.read().await;
     use lapin::options::{ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions};
     use lapin::types::FieldTable;
     let (channel, queue) = rabbitmq_queue(FieldTable::default()).await;
@@ -146,6 +148,7 @@ async fn jetstream_a_subject_without_a_stream_is_parked_and_holds_up_none_of_200
 /// the parked row retried by hand is delivered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rabbitmq_a_full_queue_refusing_publishes_backs_off_alone_while_the_rest_flows() {
+    let _no_alarm = crate::ALARM.read().await;
     use lapin::options::{BasicPublishOptions, QueuePurgeOptions};
     use lapin::types::{AMQPValue, FieldTable, ShortString};
     let mut limited = FieldTable::default();
