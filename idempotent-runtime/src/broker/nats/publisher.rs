@@ -68,20 +68,24 @@ impl Publisher for OutboxPublisher {
                     "{error} (subject {:?})",
                     destination.routing_key
                 ))),
-                // The stream answered, refusing this message (full, with `DiscardPolicy::New`; a
-                // message larger than it takes): the destination's trouble, not the server's.
-                PublishErrorKind::Other
-                    if std::error::Error::source(&error)
-                        .is_some_and(|source| source.is::<jetstream::Error>()) =>
-                {
-                    Err(PublishError::rejected(format!(
-                        "the stream refused the message: {} (subject {:?})",
-                        std::error::Error::source(&error).map_or(String::new(), |s| s.to_string()),
+                PublishErrorKind::Other => match stream_refusal(&error) {
+                    Some(refusal) => Err(PublishError::rejected(format!(
+                        "the stream refused the message: {refusal} (subject {:?})",
                         destination.routing_key
-                    )))
-                }
+                    ))),
+                    None => Err(PublishError::unavailable(error)),
+                },
                 _ => Err(PublishError::unavailable(error)),
             },
         }
     }
+}
+
+/// What the stream said, when it answered the publication with an error of its own (full, with
+/// `DiscardPolicy::New`; a message larger than it takes): the destination's trouble, not the
+/// server's.
+fn stream_refusal(error: &async_nats::jetstream::context::PublishError) -> Option<String> {
+    std::error::Error::source(error)
+        .filter(|source| source.is::<jetstream::Error>())
+        .map(ToString::to_string)
 }
