@@ -35,7 +35,7 @@ const MAX_ABANDONED: usize = 10_000;
 /// |---|---|
 /// | acknowledges | marks the row sent |
 /// | returns it unroutable (no queue bound for the routing key), then acknowledges | [`PublishError::Rejected`]: an attempt; parked after the last |
-/// | has no such exchange (404) | [`PublishError::Rejected`], as above |
+/// | has no such exchange (404), or refuses this user access to it (403) | [`PublishError::Rejected`], as above |
 /// | negatively acknowledges (`basic.nack`: a full queue that rejects publishes) | [`PublishError::Rejected`]: an attempt, the row's own back-off; parked after the last |
 /// | blocks the connection (`connection.blocked`: a memory or disk alarm) | [`PublishError::Unavailable`] at once, nothing sent: left pending |
 /// | a closed channel or connection | [`PublishError::Unavailable`]: left pending; a publisher made with [`connect`](Self::connect) connects again for the next message |
@@ -278,9 +278,8 @@ impl OutboxPublisher {
                 self.exchanges().insert(exchange.to_owned());
                 Ok(())
             }
-            Err(error) => {
-                Err(classify(&error, exchange).unwrap_or_else(|| PublishError::unavailable(error)))
-            }
+            Err(error) => Err(refused_exchange(&error, exchange)
+                .unwrap_or_else(|| PublishError::unavailable(error))),
         }
     }
 
@@ -321,14 +320,15 @@ async fn confirmed_channel(connection: &Connection) -> Result<Channel, BrokerErr
     Ok(channel)
 }
 
-/// The broker's refusal of a publication to `exchange` in `error`, if it is one: RabbitMQ has no
-/// such exchange (404, which closed the channel).
-fn classify(error: &lapin::Error, exchange: &str) -> Option<PublishError> {
+/// Returns the broker's refusal of `exchange` that `error` is, if it is one: RabbitMQ has no such
+/// exchange (404) or refuses this user access to it (403), and closed the channel that named it.
+fn refused_exchange(error: &lapin::Error, exchange: &str) -> Option<PublishError> {
     let ErrorKind::ProtocolError(amqp) = error.kind() else {
         return None;
     };
     let text = amqp.get_message().as_str();
-    (amqp.get_id() == 404 && text.contains(&format!("no exchange '{exchange}'")))
+    let names_it = text.contains(&format!("exchange '{exchange}'"));
+    (matches!(amqp.get_id(), 403 | 404) && names_it)
         .then(|| PublishError::rejected(format!("{} {text}", amqp.get_id())))
 }
 
@@ -363,7 +363,7 @@ impl Publisher for OutboxPublisher {
         let confirmation = match confirmation {
             Ok(confirmation) => confirmation,
             Err(error) => {
-                return Err(match classify(&error, exchange) {
+                return Err(match refused_exchange(&error, exchange) {
                     Some(refused) => {
                         self.exchanges().remove(exchange);
                         refused
