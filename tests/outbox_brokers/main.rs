@@ -229,3 +229,28 @@ fn each_at_least_once(got: &[String], expected: &[String]) -> usize {
     assert_eq!(unique, wanted, "other messages arrived");
     got.len() - unique.len()
 }
+
+/// Runs `rabbitmqctl` on the test broker's node (`IDEMPOTENT_AMQP_CTL`, which `scripts/rabbitmq
+/// start` prints).
+fn rabbitmqctl(args: &str) {
+    if let Err(error) = try_rabbitmqctl(args) {
+        panic!("{error}");
+    }
+}
+
+/// [`rabbitmqctl`] for a `Drop` (a panic there, while a failed test unwinds, would abort the run):
+/// says what failed instead of panicking.
+fn try_rabbitmqctl(args: &str) -> Result<(), String> {
+    let ctl = std::env::var("IDEMPOTENT_AMQP_CTL").map_err(|_| {
+        "IDEMPOTENT_AMQP_CTL is not set: run the tests with scripts/test".to_owned()
+    })?;
+    let status = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(format!("{ctl} {args}"))
+        .status()
+        .map_err(|error| format!("rabbitmqctl {args}: {error}"))?;
+    match status.success() {
+        true => Ok(()),
+        false => Err(format!("rabbitmqctl {args}: {status}")),
+    }
+}

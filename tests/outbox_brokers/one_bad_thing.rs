@@ -6,7 +6,9 @@ use std::time::Duration;
 
 use idempotent::outbox::Destination;
 
-use crate::{Two, amqp_url, each_at_least_once, options, rabbitmq_ids, rabbitmq_queue};
+use crate::{
+    Two, amqp_url, each_at_least_once, options, rabbitmq_ids, rabbitmq_queue, rabbitmqctl,
+};
 
 /// One row addressed to an exchange that does not exist, the oldest, among 200 good rows: the
 /// broker closes a channel that publishes to a missing exchange (404), which must not take the
@@ -100,6 +102,77 @@ async fn rabbitmq_an_exchange_deleted_under_the_relay_is_parked_and_the_channel_
     );
     let reason = parked[0].last_error.clone().unwrap();
     assert!(reason.contains("NOT_FOUND"), "{reason}");
+    each_at_least_once(&rabbitmq_ids(&channel, &queue).await, &ids);
+}
+
+/// A user of the test broker, with every permission but writing only where `write` (a regular
+/// expression, quoted for the shell) matches; deleted when dropped.
+struct User(String);
+
+impl User {
+    fn add(name: &str, write: &str) -> Self {
+        rabbitmqctl(&format!("add_user {name} secret"));
+        let user = Self(name.to_owned());
+        rabbitmqctl(&format!("set_permissions -p / {name} '.*' {write} '.*'"));
+        user
+    }
+}
+
+impl Drop for User {
+    fn drop(&mut self) {
+        if let Err(error) = crate::try_rabbitmqctl(&format!("delete_user {}", self.0)) {
+            eprintln!("{error}");
+        }
+    }
+}
+
+/// A publisher whose user may not publish to one exchange (RabbitMQ answers 403 and closes the
+/// channel, as for a missing exchange): that exchange's row is parked after its attempts with the
+/// broker's reason, and the 100 rows after it go out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rabbitmq_an_exchange_the_user_may_not_publish_to_is_parked_and_holds_up_no_other_row() {
+    use lapin::options::ExchangeDeclareOptions;
+    use lapin::types::FieldTable;
+    let _no_alarm = crate::ALARM.read().await;
+    let (channel, queue) = rabbitmq_queue(FieldTable::default()).await;
+    let forbidden = format!("forbidden-{queue}");
+    channel
+        .exchange_declare(
+            forbidden.as_str().into(),
+            lapin::ExchangeKind::Direct,
+            ExchangeDeclareOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let user = User::add(&format!("limited-{queue}"), "'^(?!forbidden-).*'");
+    let user = &user.0;
+    let url = amqp_url().replacen("guest:guest@", &format!("{user}:secret@"), 1);
+    assert_ne!(url, amqp_url(), "IDEMPOTENT_AMQP_URL is not guest's");
+
+    let two = Two::new().await;
+    let lost = two
+        .orders("forbidden", 1, &Destination::exchange(forbidden, "paid"))
+        .await;
+    let ids = two
+        .orders("paid", 100, &Destination::queue(queue.clone()))
+        .await;
+    let publisher = idempotent::broker::rabbitmq::OutboxPublisher::connect(&url)
+        .await
+        .unwrap();
+    let relay = two
+        .producer
+        .spawn_relay(publisher, options().batch_size(50));
+    two.until_published(100, 1).await;
+    relay.shutdown().await;
+    let parked = two.producer.parked_messages(None, 10).await.unwrap();
+    assert_eq!(parked.len(), 1);
+    assert_eq!(
+        (parked[0].message_id.as_str(), parked[0].attempts),
+        (lost[0].as_str(), 2)
+    );
+    let reason = parked[0].last_error.clone().unwrap();
+    assert!(reason.contains("ACCESS_REFUSED"), "{reason}");
     each_at_least_once(&rabbitmq_ids(&channel, &queue).await, &ids);
 }
 
