@@ -144,12 +144,25 @@ impl<DB: Backend> InboxTransaction<DB> {
 
     /// Takes a connection and begins a transaction that will write.
     pub(crate) async fn begin(with: Resources<'_, DB>) -> Result<Self, BeginError> {
+        Self::begin_as(with, DB::BEGIN).await
+    }
+
+    /// Takes a connection and begins a transaction that will write with `begin`: the backend's
+    /// `BEGIN` or one of its variants ([`Store::BEGIN_RELAY`]).
+    ///
+    /// [`Store::BEGIN_RELAY`]: crate::store::Store::BEGIN_RELAY
+    pub(crate) async fn begin_as(
+        with: Resources<'_, DB>,
+        begin: &'static str,
+    ) -> Result<Self, BeginError> {
         let session = Session::take(with.source)
             .await
             .map_err(BeginError::Acquire)?;
         let turn = take_turn(with.writers).await;
         let mut tx = Self::begin_on(session, turn).await?;
-        tx.open().await.map_err(BeginError::Begin)?;
+        tx.begin_with(begin.to_owned())
+            .await
+            .map_err(BeginError::Begin)?;
         Ok(tx)
     }
 

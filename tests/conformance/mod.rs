@@ -16,11 +16,13 @@ mod batch;
 mod lifecycle;
 mod operations;
 mod outbox;
+mod outbox_isolation;
 pub use adversarial::*;
 pub use batch::*;
 pub use lifecycle::*;
 pub use operations::*;
 pub use outbox::*;
+pub use outbox_isolation::*;
 
 pub async fn duplicate_delivery_runs_the_body_once(h: impl Harness) {
     let msg = Delivery::new("paid-1");
@@ -469,6 +471,7 @@ macro_rules! conformance_tests {
         conformance_tests!(@cases $new;
             two_relays_never_publish_one_row_at_once
             ordering_per_key_holds_under_concurrent_producers
+            keyed_writers_racing_relays_never_deadlock
             a_second_writer_of_an_ordering_key_waits_for_the_first_commit
         );
     };
@@ -531,6 +534,7 @@ macro_rules! conformance_tests {
             relay_batch_dropped_at_every_await_point_loses_no_row
             poison_is_parked_never_blocks_the_rest_and_is_retryable_by_hand
             unconfirmed_messages_stay_pending_without_counting_an_attempt
+            keys_in_back_off_take_no_slots_from_ready_keys
             sent_outgoing_rows_are_purged_after_the_outbox_retention
             migrate_upgrades_version_2_tables_to_the_outbox
         );

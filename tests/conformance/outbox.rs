@@ -1,7 +1,7 @@
 //! The transactional outbox on every backend: outgoing rows commit with the handler's effect or not
 //! at all, with ids that a rerun reproduces; relays never publish one row at once, keep each
 //! ordering key in commit order, park what the broker keeps refusing, and the purge keeps what it
-//! must. The broker here is a recording [`Publisher`]; `tests/outbox_brokers.rs` runs the real ones.
+//! must. The broker here is a recording [`Publisher`]; `tests/outbox_brokers/` runs the real ones.
 
 use std::collections::{HashMap, HashSet};
 use std::panic::AssertUnwindSafe;
@@ -123,7 +123,7 @@ async fn drain<H: Harness>(h: &H, publisher: &Arc<Recorder>, options: &RelayOpti
 }
 
 /// Waits until no outgoing message is pending, for at most a minute.
-async fn until_drained<H: Harness>(h: &H) {
+pub async fn until_drained<H: Harness>(h: &H) {
     let start = Instant::now();
     while h.inbox().outbox_stats().await.unwrap().pending > 0 {
         assert!(

@@ -77,13 +77,32 @@
 //! relays at its commit (`LISTEN` on the channel `<table>_outbox`, on a connection of the relay's
 //! own: size the pool for it), so polling is only the fallback there.
 //!
-//! **Refused messages** ([`PublishError::Rejected`]: unroutable on RabbitMQ, no stream for the
-//! subject on JetStream) count an attempt and come back after a back-off; after
+//! **One bad thing stays one bad thing.** What the broker refuses ([`PublishError::Rejected`]:
+//! unroutable, an exchange that does not exist, a full queue that rejects publishes on RabbitMQ;
+//! no stream for the subject, or the stream refusing it, on JetStream) counts an attempt of that
+//! row and brings the row back after a back-off of its own (its `due_at`); after
 //! [`RelayOptions::max_attempts`] the row is **parked**: left out of publishing, visible
 //! ([`Inbox::parked_messages`], `idempotent outbox parked`) and retryable by hand
-//! ([`Inbox::retry_parked`], `idempotent outbox retry`). A parked message never holds up the
-//! others. A broker that cannot be reached or does not confirm ([`PublishError::Unavailable`])
-//! counts no attempt: the rows stay pending and the relay backs off.
+//! ([`Inbox::retry_parked`], `idempotent outbox retry`). Meanwhile every other row, of other
+//! destinations and other ordering keys, goes out as before: a refusal never makes the relay as
+//! a whole wait, and a key whose head waits for its next attempt takes no place in a batch from
+//! a key that is ready. (A queue that stays full longer than the attempts last, about 8.5
+//! minutes with the defaults, parks its rows: raise the attempts where queues stay full longer.)
+//! A broker that cannot be reached, blocks publishers (a resource alarm) or does not confirm
+//! within [`RelayOptions::publish_timeout`] ([`PublishError::Unavailable`]) counts no attempt:
+//! the rows stay pending, and a batch that got nothing through makes the relay back off (100 ms
+//! doubling to 10 s). RabbitMQ's publisher checks an exchange once before its
+//! first publication there (RabbitMQ closes the channel of a publish to a missing exchange, which
+//! would fail the others in flight on it), and waits for the confirmation of a publication the
+//! relay gave up on before it sends that message again: under an alarm, each message reaches the
+//! broker once.
+//!
+//! **Relays and writers do not deadlock.** On MySQL and MariaDB a batch runs at `READ
+//! COMMITTED`: at InnoDB's default `REPEATABLE READ`, its `SKIP LOCKED` scan would leave
+//! next-key locks (on the table's end too) that each insert of a writer waits for, while the
+//! batch waited for a row such a writer had inserted: a deadlock (`1213`, or `1467` from the
+//! auto-increment lock) that failed the writer's transaction. PostgreSQL's relays run at its
+//! `READ COMMITTED`, and SQLite's take the one write lock in turn with writers.
 //!
 //! # Ordering keys
 //! Messages with the same [ordering key](OutgoingMessage::with_ordering_key) are published in the
@@ -93,12 +112,14 @@
 //! commits, so the numbers follow the commits. What it costs:
 //! - **Producers of one key take turns**: a second transaction writing a message of the same key
 //!   waits for the first one's commit (or rollback) at that row; one more statement per keyed
-//!   message. (Transactions write their keys in key order, so they never deadlock over them.)
+//!   message. (Transactions write their keys in key order, so they never deadlock over them, and
+//!   a relay locks no key's row.)
 //! - **One message per key per batch**: a key's messages go out at most one per relay batch (a
 //!   transaction and a broker round trip each, a few milliseconds), so one busy key gets hundreds
 //!   of messages per second, not thousands; different keys go out side by side in a batch.
 //! - **A key waits for its head**: a message the broker refuses holds up its key's later messages
-//!   until it is sent or parked. A parked message leaves its key's order: the later ones go on,
+//!   until it is sent or parked (and only its key's: while it waits for its next attempt, the
+//!   batches take other keys). A parked message leaves its key's order: the later ones go on,
 //!   and if it is retried by hand it is published after them.
 //!
 //! Messages without a key are published in row order within a batch and without any order

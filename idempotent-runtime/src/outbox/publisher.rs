@@ -31,17 +31,21 @@ pub struct Publication {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum PublishError {
-    /// The broker refused this message (RabbitMQ returned it as unroutable; no JetStream stream
-    /// captures its subject; it is too large): the message's own trouble. The relay counts it as
-    /// an attempt, tries it again after a back-off, and parks it after the last attempt.
+    /// The broker refused this message, for good or for now: the trouble of the message or of its
+    /// destination (RabbitMQ returned it unroutable, has no such exchange, or a full queue that
+    /// rejects publishes refused it with `basic.nack`; no JetStream stream captures its subject,
+    /// or the stream refused it; it is too large). The relay counts it as an attempt of this row,
+    /// tries the row again after the row's own back-off, and parks it after the last attempt;
+    /// the other rows, of other destinations and other ordering keys, go on meanwhile.
     #[error("the broker refused the message: {reason}")]
     Rejected {
         /// What the broker said, for a person to read.
         reason: String,
     },
-    /// The broker could not be reached, or did not confirm in time, or refused for now (a full
-    /// queue, a negative acknowledgement): not the message's trouble. The relay leaves the row as
-    /// it was, without counting an attempt, and backs off before its next batch.
+    /// The broker could not be reached, blocks publishers (a resource alarm), or did not confirm
+    /// in time: not this message's trouble. The relay leaves the row as it was, without counting
+    /// an attempt, and publishes it again in a later batch; a batch that got nothing through makes
+    /// the relay back off before its next one.
     #[error("the broker is unavailable")]
     Unavailable(#[source] Box<dyn std::error::Error + Send + Sync>),
 }

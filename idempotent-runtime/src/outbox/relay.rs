@@ -45,7 +45,9 @@ pub struct RelayOptions {
     /// The longest wait of an idle relay between two looks (default 1 s). With `LISTEN` it is the
     /// fallback that finds what a lost notification did not announce.
     pub max_poll_interval: Duration,
-    /// How long the relay waits for the broker to confirm one message (default 10 s): an
+    /// How long the relay waits for the broker to confirm one message (default 10 s), connecting
+    /// and checking its destination included: every publication has this bound, so a broker that
+    /// blocks publishers (a resource alarm) or never answers holds a batch this long at most. An
     /// unconfirmed message stays pending and is published again later.
     pub publish_timeout: Duration,
     /// Batches run at once, each on a connection of its own (default 1).
@@ -142,11 +144,12 @@ pub struct RelayReport {
     pub taken: usize,
     /// Rows the broker confirmed and the batch marked sent.
     pub published: usize,
-    /// Rows the broker refused, to be tried again after a back-off.
+    /// Rows the broker refused, each to be tried again after a back-off of its own.
     pub rejected: usize,
     /// Rows the broker refused for the last time: parked.
     pub parked: usize,
-    /// Rows the broker did not confirm (unreachable, no answer in time): left pending.
+    /// Rows the broker did not confirm (unreachable, blocking publishers, no answer in time):
+    /// left pending, with no attempt counted.
     pub unavailable: usize,
 }
 
@@ -326,8 +329,11 @@ impl<DB: Backend, P: Publisher> Worker<DB, P> {
             let wait = match batch {
                 Ok(report) => {
                     self.counters.count(&report);
-                    if report.unavailable > 0 {
-                        // The broker is in trouble: back off, as after a database failure.
+                    if report.unavailable > 0 && report.published == 0 {
+                        // Nothing got through: the broker is in trouble (down, blocking
+                        // publishers). Back off, as after a database failure. A refusal, or some
+                        // rows not confirmed while others were, is the rows' own trouble: their
+                        // back-off is their own (`due_at`), and the others go on at once.
                         trouble = next_pause(trouble);
                         trouble
                     } else {
@@ -436,7 +442,7 @@ async fn run_batch<DB: Backend, P: Publisher>(
 ) -> Result<RelayReport, InboxError> {
     let statements = &inbox.config.statements.outbox;
     let failed = || database_error(Stage::Relay);
-    let mut tx = InboxTransaction::begin(inbox.resources())
+    let mut tx = InboxTransaction::begin_as(inbox.resources(), DB::BEGIN_RELAY)
         .await
         .map_err(|error| match error {
             BeginError::Acquire(error) | BeginError::Begin(error) => failed()(error),

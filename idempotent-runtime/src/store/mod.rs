@@ -117,6 +117,12 @@ mod private {
         /// tell later that the transaction is still the one the inbox began.
         const BEGIN: &'static str;
 
+        /// Begins a relay's batch: [`BEGIN`](Store::BEGIN), at an isolation level whose locking
+        /// reads lock the rows they take and nothing between them, so that a batch holding its
+        /// rows while the broker confirms them never makes a writer's insert wait (InnoDB's
+        /// `REPEATABLE READ` locks the gaps a scan passed, the table's end included).
+        const BEGIN_RELAY: &'static str = Self::BEGIN;
+
         /// This backend's settings of an inbox (PostgreSQL: which claim it sends).
         type Settings: Default + Clone + Send + Sync + std::fmt::Debug + 'static;
 

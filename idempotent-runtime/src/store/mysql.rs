@@ -71,6 +71,18 @@ const PURGE_LOCK_NAME: &str =
 const MIGRATE_LOCK_NAME: &str =
     "CONCAT('idempotent_migrate_', LEFT(SHA1(CONCAT(DATABASE(), '.', ?)), 40))";
 
+/// The inbox's `BEGIN`, with `$characteristics` (`SET TRANSACTION …; `, or nothing) for the
+/// transaction it starts: one sequence for every transaction the inbox begins.
+macro_rules! begin {
+    ($characteristics:literal) => {
+        concat!(
+            "SET autocommit = 0; ",
+            $characteristics,
+            "START TRANSACTION; SAVEPOINT idempotent_claim"
+        )
+    };
+}
+
 /// Commits the transaction if it is still the one the inbox began, and sets the session back.
 const COMMIT: &str = "RELEASE SAVEPOINT idempotent_claim; COMMIT; SET autocommit = 1";
 
@@ -112,7 +124,13 @@ impl Store for MySql {
         },
     };
 
-    const BEGIN: &'static str = "SET autocommit = 0; START TRANSACTION; SAVEPOINT idempotent_claim";
+    const BEGIN: &'static str = begin!("");
+
+    /// `READ COMMITTED` for this one transaction: at `REPEATABLE READ` the batch's `SELECT … FOR
+    /// UPDATE SKIP LOCKED` leaves next-key locks on what it scanned (the table's end included),
+    /// every insert of a writer waits for the batch, and the batch, waiting for a row such a writer
+    /// inserted before, deadlocks with it.
+    const BEGIN_RELAY: &'static str = begin!("SET TRANSACTION ISOLATION LEVEL READ COMMITTED; ");
 
     type Settings = ();
     type Watch = ();

@@ -178,10 +178,14 @@ impl OutboxStatements {
                 p().next()
             ),
         );
+        // Each key's head (its pending row with the lowest number), of the keys whose head is
+        // due: a key in back-off takes no slot from one that is ready.
         let heads = format!(
-            "SELECT ordering_key, MIN(ordering_seq) FROM {o} \
-             WHERE state = {PENDING} AND ordering_key IS NOT NULL \
-             GROUP BY ordering_key ORDER BY MIN(id) LIMIT {}",
+            "SELECT h.ordering_key, h.ordering_seq FROM {o} h JOIN \
+             (SELECT ordering_key, MIN(ordering_seq) AS seq, MIN(id) AS first FROM {o} \
+             WHERE state = {PENDING} AND ordering_key IS NOT NULL GROUP BY ordering_key) m \
+             ON h.ordering_key = m.ordering_key AND h.ordering_seq = m.seq \
+             WHERE h.state = {PENDING} AND h.due_at <= {now} ORDER BY m.first LIMIT {}",
             p().next()
         );
         let mark_failed = {
@@ -386,7 +390,9 @@ pub trait OutboxQueries: Store {
     ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a;
 
     /// Takes, in the open transaction, at most `limit` due rows that no other relay holds: the
-    /// head of each ordering key first (at most half of `limit`), then rows without one, in order.
+    /// due head of each ordering key first (at most half of `limit`, the keys whose oldest pending
+    /// row is oldest first; a key whose head waits for its next attempt is left out), then rows
+    /// without one, in order.
     fn outbox_take<'a>(
         conn: &'a mut Self::Connection,
         statements: &'a OutboxStatements,

@@ -551,24 +551,6 @@ fn fault_of_code(code: &str) -> Fault {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::{Fault, fault_of_code};
-
-    #[test]
-    fn transient_sqlstates_are_retryable() {
-        for code in ["40001", "40P01", "55P03", "57014", "53300", "25P02"] {
-            assert_eq!(fault_of_code(code), Fault::Transient, "{code}");
-        }
-        for code in ["57P01", "08006", "08003", "26000", "42P05", "25006"] {
-            assert_eq!(fault_of_code(code), Fault::Broken, "{code}");
-        }
-        for code in ["23505", "42P01", "22P02", "42501"] {
-            assert_eq!(fault_of_code(code), Fault::None, "{code}");
-        }
-    }
-}
-
 /// What [`mark`] found of the mark the inbox's `BEGIN` sets.
 enum Mark {
     /// Set: the open transaction is the one the inbox began.
@@ -591,5 +573,23 @@ async fn mark(conn: &mut PgConnection) -> Result<Mark, sqlx::Error> {
         Ok(_) => Ok(Mark::Gone),
         Err(error) if sqlstate(&error) == Some("25P02") => Ok(Mark::Aborted),
         Err(error) => Err(error),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Fault, fault_of_code};
+
+    #[test]
+    fn transient_sqlstates_are_retryable() {
+        for code in ["40001", "40P01", "55P03", "57014", "53300", "25P02"] {
+            assert_eq!(fault_of_code(code), Fault::Transient, "{code}");
+        }
+        for code in ["57P01", "08006", "08003", "26000", "42P05", "25006"] {
+            assert_eq!(fault_of_code(code), Fault::Broken, "{code}");
+        }
+        for code in ["23505", "42P01", "22P02", "42501"] {
+            assert_eq!(fault_of_code(code), Fault::None, "{code}");
+        }
     }
 }

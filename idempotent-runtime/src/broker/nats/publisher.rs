@@ -15,7 +15,8 @@ use crate::outbox::{Publication, PublishError, Publisher};
 /// |---|---|
 /// | acknowledges (stored, or a duplicate) | marks the row sent |
 /// | no stream captures the subject; the message is larger than the server takes; a destination with an exchange | [`PublishError::Rejected`]: an attempt; parked after the last |
-/// | no acknowledgement in time, a lost connection (the client reconnects by itself), a stream refusing more for now | [`PublishError::Unavailable`]: left pending |
+/// | the stream refuses it (full with `DiscardPolicy::New`, or another error of the stream's) | [`PublishError::Rejected`]: an attempt, the row's own back-off; parked after the last |
+/// | no acknowledgement in time, a lost connection (the client reconnects by itself) | [`PublishError::Unavailable`]: left pending |
 ///
 /// [`Destination::subject`]: crate::outbox::Destination::subject
 #[derive(Debug, Clone)]
@@ -67,8 +68,24 @@ impl Publisher for OutboxPublisher {
                     "{error} (subject {:?})",
                     destination.routing_key
                 ))),
+                PublishErrorKind::Other => match stream_refusal(&error) {
+                    Some(refusal) => Err(PublishError::rejected(format!(
+                        "the stream refused the message: {refusal} (subject {:?})",
+                        destination.routing_key
+                    ))),
+                    None => Err(PublishError::unavailable(error)),
+                },
                 _ => Err(PublishError::unavailable(error)),
             },
         }
     }
+}
+
+/// What the stream said, when it answered the publication with an error of its own (full, with
+/// `DiscardPolicy::New`; a message larger than it takes): the destination's trouble, not the
+/// server's.
+fn stream_refusal(error: &async_nats::jetstream::context::PublishError) -> Option<String> {
+    std::error::Error::source(error)
+        .filter(|source| source.is::<jetstream::Error>())
+        .map(ToString::to_string)
 }

@@ -1,12 +1,30 @@
 //! Publishing the outbox's messages to RabbitMQ: persistent, mandatory, with publisher confirms.
+//!
+//! A publication's trouble stays its own. RabbitMQ answers a publish to an exchange that does not
+//! exist by closing the channel (404), which would fail every other publication in flight on it:
+//! a publisher with a connection of its own checks each exchange once, with a passive declare on
+//! a channel kept for that, before it publishes there. A publication that was not confirmed in
+//! time (the relay dropped it: a blocked connection, a slow broker) is kept, and the next
+//! publication of the same message waits for its confirmation instead of sending a second copy.
 
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use std::collections::{HashMap, HashSet};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
-use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
+use lapin::{
+    BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, ErrorKind,
+    ExchangeKind,
+};
 use tokio::sync::Mutex;
 
 use crate::broker::BrokerError;
 use crate::outbox::{Publication, PublishError, Publisher};
+
+/// The most unconfirmed publications kept for a next publication of their message to wait for.
+const MAX_ABANDONED: usize = 10_000;
 
 /// Publishes a relay's outgoing messages to RabbitMQ (an [`outbox`](crate::outbox)
 /// [`Publisher`]): each message persistent (`delivery_mode` 2), `mandatory`, with its id as the
@@ -17,8 +35,15 @@ use crate::outbox::{Publication, PublishError, Publisher};
 /// |---|---|
 /// | acknowledges | marks the row sent |
 /// | returns it unroutable (no queue bound for the routing key), then acknowledges | [`PublishError::Rejected`]: an attempt; parked after the last |
-/// | negatively acknowledges (`basic.nack`: it could not take it, a queue refusing publishes when full) | [`PublishError::Unavailable`]: left pending |
-/// | a closed channel or connection | [`PublishError::Unavailable`]; a publisher made with [`connect`](Self::connect) connects again for the next message |
+/// | has no such exchange (404), or refuses this user access to it (403) | [`PublishError::Rejected`], as above |
+/// | negatively acknowledges (`basic.nack`: a full queue that rejects publishes) | [`PublishError::Rejected`]: an attempt, the row's own back-off; parked after the last |
+/// | blocks the connection (`connection.blocked`: a memory or disk alarm) | [`PublishError::Unavailable`] at once, nothing sent: left pending |
+/// | a closed channel or connection | [`PublishError::Unavailable`]: left pending; a publisher made with [`connect`](Self::connect) connects again for the next message |
+///
+/// A publication the relay gave up on (no confirmation within its `publish_timeout`) is not
+/// forgotten: the next publication of that message on the same channel waits for the first one's
+/// confirmation rather than sending a second copy, so a broker that is slow to confirm (under an
+/// alarm) gets each message once.
 pub struct OutboxPublisher {
     url: Option<String>,
     /// The open channel, if any: read (and cloned) by every publication, never held across an
@@ -26,12 +51,64 @@ pub struct OutboxPublisher {
     open: std::sync::Mutex<Option<Open>>,
     /// Held while the channel is opened again, so that one publication does it.
     reopening: Mutex<()>,
+    /// The channel that checks exchanges (a publisher with a connection of its own), held while
+    /// it checks one.
+    probe: Mutex<Option<Channel>>,
+    /// Exchanges seen to exist on the current connection.
+    exchanges: std::sync::Mutex<HashSet<String>>,
+    /// Publications not confirmed when the relay stopped waiting for them, by message id.
+    abandoned: std::sync::Mutex<HashMap<String, Abandoned>>,
 }
 
 struct Open {
-    // Held so that the connection lives as long as its channel.
-    _connection: Option<Connection>,
+    /// The connection, when the publisher opened it (and so can open channels on it).
+    connection: Option<Arc<Connection>>,
     channel: Channel,
+    /// Counts the channels opened, so that an abandoned publication is only waited for on its own.
+    generation: u64,
+}
+
+/// A publication sent (or queued to be sent) and its confirmation still to come.
+type Confirming = Pin<Box<dyn Future<Output = lapin::Result<Confirmation>> + Send>>;
+
+struct Abandoned {
+    generation: u64,
+    confirming: Confirming,
+}
+
+/// The publication in flight: abandoned (kept for the next publication of its message) if it is
+/// dropped before its confirmation.
+struct InFlight<'a> {
+    publisher: &'a OutboxPublisher,
+    message_id: &'a str,
+    generation: u64,
+    confirming: Option<Confirming>,
+}
+
+impl InFlight<'_> {
+    async fn confirmation(&mut self) -> lapin::Result<Confirmation> {
+        let confirming = self.confirming.as_mut().expect("awaited once");
+        let confirmation = confirming.await;
+        self.confirming = None;
+        confirmation
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        if let Some(confirming) = self.confirming.take() {
+            let mut abandoned = self.publisher.abandoned();
+            if abandoned.len() < MAX_ABANDONED {
+                abandoned.insert(
+                    self.message_id.to_owned(),
+                    Abandoned {
+                        generation: self.generation,
+                        confirming,
+                    },
+                );
+            }
+        }
+    }
 }
 
 impl std::fmt::Debug for OutboxPublisher {
@@ -43,59 +120,187 @@ impl std::fmt::Debug for OutboxPublisher {
 }
 
 impl OutboxPublisher {
-    /// A publisher on `channel`, which it puts in publisher-confirm mode. Once the channel is
-    /// closed, every publication fails as [`PublishError::Unavailable`]: make a new publisher
-    /// (and relay), or use [`connect`](Self::connect).
+    /// Creates a publisher on `channel`, which it puts in publisher-confirm mode. It has no
+    /// connection to open channels on: it cannot check exchanges before it publishes, and once the
+    /// channel is closed (a lost connection, or a publication to an exchange that does not exist,
+    /// which RabbitMQ answers by closing the channel) every publication fails as
+    /// [`PublishError::Unavailable`]. Prefer [`connect`](Self::connect).
     pub async fn new(channel: Channel) -> Result<Self, BrokerError> {
         confirm(&channel).await?;
-        Ok(Self {
-            url: None,
-            open: std::sync::Mutex::new(Some(Open {
-                _connection: None,
+        Ok(Self::with(
+            None,
+            Open {
+                connection: None,
                 channel,
-            })),
-            reopening: Mutex::new(()),
-        })
+                generation: 0,
+            },
+        ))
     }
 
-    /// A publisher with a connection of its own to `url` (`amqp://…`), which it opens again when
-    /// it was lost.
+    /// Creates a publisher with a connection of its own to `url` (`amqp://…`): it opens its
+    /// channel again when it was closed, connects again when the connection was lost, and checks
+    /// each exchange once before it publishes there.
     pub async fn connect(url: &str) -> Result<Self, BrokerError> {
-        let open = open(url).await?;
-        Ok(Self {
-            url: Some(url.to_owned()),
+        let connection = Connection::connect(url, ConnectionProperties::default())
+            .await
+            .map_err(BrokerError::broker)?;
+        let connection = Arc::new(connection);
+        let channel = confirmed_channel(&connection).await?;
+        Ok(Self::with(
+            Some(url.to_owned()),
+            Open {
+                connection: Some(connection),
+                channel,
+                generation: 0,
+            },
+        ))
+    }
+
+    fn with(url: Option<String>, open: Open) -> Self {
+        Self {
+            url,
             open: std::sync::Mutex::new(Some(open)),
             reopening: Mutex::new(()),
-        })
+            probe: Mutex::new(None),
+            exchanges: std::sync::Mutex::default(),
+            abandoned: std::sync::Mutex::default(),
+        }
     }
 
-    /// The open channel, if it is still connected.
-    fn current(&self) -> Option<Channel> {
+    fn abandoned(&self) -> std::sync::MutexGuard<'_, HashMap<String, Abandoned>> {
+        self.abandoned.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn exchanges(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
+        self.exchanges.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Returns the open channel, its connection and its generation, if the channel is still open.
+    fn current(&self) -> Option<(Channel, Option<Arc<Connection>>, u64)> {
         let open = self.open.lock().unwrap_or_else(|e| e.into_inner());
         open.as_ref()
             .filter(|open| open.channel.status().connected())
-            .map(|open| open.channel.clone())
+            .map(|open| {
+                (
+                    open.channel.clone(),
+                    open.connection.clone(),
+                    open.generation,
+                )
+            })
     }
 
-    /// The channel to publish on: the open one, or a new one when it closed and the publisher has
-    /// a URL.
-    async fn channel(&self) -> Result<Channel, PublishError> {
-        if let Some(channel) = self.current() {
-            return Ok(channel);
+    /// Returns the channel to publish on: the open one, or a new one when it closed (on the same
+    /// connection while it is connected, else on a new connection, when the publisher has a URL).
+    async fn channel(&self) -> Result<(Channel, Option<Arc<Connection>>, u64), PublishError> {
+        if let Some(current) = self.current() {
+            return Ok(current);
         }
-        let Some(url) = &self.url else {
-            return Err(PublishError::unavailable(
-                "the publisher's channel is closed",
-            ));
-        };
         let _reopening = self.reopening.lock().await;
-        if let Some(channel) = self.current() {
-            return Ok(channel); // another publication opened it meanwhile
+        if let Some(current) = self.current() {
+            return Ok(current); // another publication opened it meanwhile
         }
-        let reopened = self::open(url).await.map_err(PublishError::unavailable)?;
-        let channel = reopened.channel.clone();
-        *self.open.lock().unwrap_or_else(|e| e.into_inner()) = Some(reopened);
-        Ok(channel)
+        let (connection, generation) = {
+            let open = self.open.lock().unwrap_or_else(|e| e.into_inner());
+            let connection = open
+                .as_ref()
+                .and_then(|open| open.connection.clone())
+                .filter(|connection| connection.status().connected());
+            (
+                connection,
+                open.as_ref().map_or(0, |open| open.generation) + 1,
+            )
+        };
+        let connection = match (connection, &self.url) {
+            (Some(connection), _) => connection,
+            (None, Some(url)) => {
+                let connection = Connection::connect(url, ConnectionProperties::default())
+                    .await
+                    .map_err(PublishError::unavailable)?;
+                // Another connection: what was known of the last one's exchanges is checked again.
+                self.exchanges().clear();
+                *self.probe.lock().await = None;
+                Arc::new(connection)
+            }
+            (None, None) => {
+                return Err(PublishError::unavailable(
+                    "the publisher's channel is closed",
+                ));
+            }
+        };
+        let channel = confirmed_channel(&connection)
+            .await
+            .map_err(PublishError::unavailable)?;
+        // The publications abandoned on the closed channel will never be confirmed.
+        self.abandoned().clear();
+        *self.open.lock().unwrap_or_else(|e| e.into_inner()) = Some(Open {
+            connection: Some(connection.clone()),
+            channel: channel.clone(),
+            generation,
+        });
+        Ok((channel, Some(connection), generation))
+    }
+
+    /// Checks that `exchange` exists, once per connection, with a passive declare on a channel of
+    /// its own (RabbitMQ closes the channel that names an exchange it does not have).
+    async fn check_exchange(
+        &self,
+        connection: &Connection,
+        exchange: &str,
+    ) -> Result<(), PublishError> {
+        if exchange.is_empty() || self.exchanges().contains(exchange) {
+            return Ok(());
+        }
+        let mut probe = self.probe.lock().await;
+        if self.exchanges().contains(exchange) {
+            return Ok(());
+        }
+        let channel = match probe.take().filter(|c| c.status().connected()) {
+            Some(channel) => channel,
+            None => connection
+                .create_channel()
+                .await
+                .map_err(PublishError::unavailable)?,
+        };
+        let declared = channel
+            .exchange_declare(
+                exchange.into(),
+                ExchangeKind::Direct,
+                ExchangeDeclareOptions {
+                    passive: true,
+                    ..ExchangeDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await;
+        match declared {
+            Ok(()) => {
+                *probe = Some(channel);
+                self.exchanges().insert(exchange.to_owned());
+                Ok(())
+            }
+            Err(error) => Err(refused_exchange(&error, exchange)
+                .unwrap_or_else(|| PublishError::unavailable(error))),
+        }
+    }
+
+    /// Waits for the confirmation of an earlier publication of `message_id` the relay gave up on,
+    /// if there is one on the channel of `generation`.
+    async fn earlier(
+        &self,
+        message_id: &str,
+        generation: u64,
+    ) -> Option<lapin::Result<Confirmation>> {
+        let earlier = self.abandoned().remove(message_id)?;
+        if earlier.generation != generation {
+            return None;
+        }
+        let mut in_flight = InFlight {
+            publisher: self,
+            message_id,
+            generation,
+            confirming: Some(earlier.confirming),
+        };
+        Some(in_flight.confirmation().await)
     }
 }
 
@@ -106,51 +311,67 @@ async fn confirm(channel: &Channel) -> Result<(), BrokerError> {
         .map_err(BrokerError::broker)
 }
 
-async fn open(url: &str) -> Result<Open, BrokerError> {
-    let connection = Connection::connect(url, ConnectionProperties::default())
-        .await
-        .map_err(BrokerError::broker)?;
+async fn confirmed_channel(connection: &Connection) -> Result<Channel, BrokerError> {
     let channel = connection
         .create_channel()
         .await
         .map_err(BrokerError::broker)?;
     confirm(&channel).await?;
-    Ok(Open {
-        _connection: Some(connection),
-        channel,
-    })
+    Ok(channel)
+}
+
+/// Returns the broker's refusal of `exchange` that `error` is, if it is one: RabbitMQ has no such
+/// exchange (404) or refuses this user access to it (403), and closed the channel that named it.
+fn refused_exchange(error: &lapin::Error, exchange: &str) -> Option<PublishError> {
+    let ErrorKind::ProtocolError(amqp) = error.kind() else {
+        return None;
+    };
+    let text = amqp.get_message().as_str();
+    let names_it = text.contains(&format!("exchange '{exchange}'"));
+    (matches!(amqp.get_id(), 403 | 404) && names_it)
+        .then(|| PublishError::rejected(format!("{} {text}", amqp.get_id())))
 }
 
 impl Publisher for OutboxPublisher {
     async fn publish(&self, publication: &Publication) -> Result<(), PublishError> {
-        let channel = self.channel().await?;
-        let mut headers = FieldTable::default();
-        for (name, value) in &publication.headers {
-            headers.insert(
-                ShortString::from(name.as_str()),
-                AMQPValue::LongString(LongString::from(value.as_str())),
-            );
-        }
-        let properties = BasicProperties::default()
-            .with_message_id(publication.message_id.as_str().into())
-            .with_delivery_mode(2)
-            .with_headers(headers);
+        let (channel, connection, generation) = self.channel().await?;
         let destination = &publication.destination;
-        let confirmation = channel
-            .basic_publish(
-                destination.exchange.as_str().into(),
-                destination.routing_key.as_str().into(),
-                BasicPublishOptions {
-                    mandatory: true,
-                    ..BasicPublishOptions::default()
-                },
-                &publication.payload,
-                properties,
-            )
-            .await
-            .map_err(PublishError::unavailable)?
-            .await
-            .map_err(PublishError::unavailable)?;
+        let exchange = destination.exchange.as_str();
+        let confirmation = match self.earlier(&publication.message_id, generation).await {
+            Some(confirmation) => confirmation,
+            None => {
+                if let Some(connection) = &connection {
+                    if connection.status().blocked() {
+                        // Sent now, it would wait in the client's buffer and reach the broker
+                        // after the alarm, whatever the relay made of it meanwhile.
+                        return Err(PublishError::unavailable(
+                            "the broker blocks publishing (connection.blocked: a resource alarm)",
+                        ));
+                    }
+                    self.check_exchange(connection, exchange).await?;
+                }
+                let confirming = send(channel, publication);
+                let mut in_flight = InFlight {
+                    publisher: self,
+                    message_id: &publication.message_id,
+                    generation,
+                    confirming: Some(confirming),
+                };
+                in_flight.confirmation().await
+            }
+        };
+        let confirmation = match confirmation {
+            Ok(confirmation) => confirmation,
+            Err(error) => {
+                return Err(match refused_exchange(&error, exchange) {
+                    Some(refused) => {
+                        self.exchanges().remove(exchange);
+                        refused
+                    }
+                    None => PublishError::unavailable(error),
+                });
+            }
+        };
         match confirmation {
             Confirmation::Ack(None) => Ok(()),
             Confirmation::Ack(Some(returned)) => Err(PublishError::rejected(format!(
@@ -160,12 +381,47 @@ impl Publisher for OutboxPublisher {
                 destination.exchange,
                 destination.routing_key
             ))),
-            Confirmation::Nack(_) => Err(PublishError::unavailable(
-                "the broker did not take the message (basic.nack)",
-            )),
+            Confirmation::Nack(_) => Err(PublishError::rejected(format!(
+                "refused by the broker (basic.nack: a queue that is full and rejects publishes) \
+                 (exchange {:?}, routing key {:?})",
+                destination.exchange, destination.routing_key
+            ))),
             Confirmation::NotRequested => Err(PublishError::unavailable(
                 "the channel is not in publisher-confirm mode",
             )),
         }
     }
+}
+
+/// Sends `publication` on `channel`: a future of its own data, which outlives the relay's wait.
+fn send(channel: Channel, publication: &Publication) -> Confirming {
+    let mut headers = FieldTable::default();
+    for (name, value) in &publication.headers {
+        headers.insert(
+            ShortString::from(name.as_str()),
+            AMQPValue::LongString(LongString::from(value.as_str())),
+        );
+    }
+    let properties = BasicProperties::default()
+        .with_message_id(publication.message_id.as_str().into())
+        .with_delivery_mode(2)
+        .with_headers(headers);
+    let exchange = ShortString::from(publication.destination.exchange.as_str());
+    let routing_key = ShortString::from(publication.destination.routing_key.as_str());
+    let payload = publication.payload.clone();
+    Box::pin(async move {
+        channel
+            .basic_publish(
+                exchange,
+                routing_key,
+                BasicPublishOptions {
+                    mandatory: true,
+                    ..BasicPublishOptions::default()
+                },
+                &payload,
+                properties,
+            )
+            .await?
+            .await
+    })
 }

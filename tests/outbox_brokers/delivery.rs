@@ -1,160 +1,18 @@
-//! The outbox's publishers against the real brokers (`IDEMPOTENT_AMQP_URL`, `IDEMPOTENT_NATS_URL`,
-//! started by `scripts/test`): a handler queues its follow-up messages in its outbox, a relay
-//! publishes them, each with the outbox's id as the broker's message id (AMQP `message_id`,
-//! `Nats-Msg-Id`), persistent and confirmed; a message the broker cannot route is parked with the
-//! broker's reason; rows published a second time (as after a relay that died between the
-//! confirmation and marking them sent) reach a downstream `#[idempotent(key = "message_id")]`
-//! handler as duplicates (RabbitMQ) or are dropped by the stream itself (JetStream).
-#![cfg(all(feature = "rabbitmq", feature = "nats", feature = "sqlite"))]
+//! What reaches the brokers: RabbitMQ gets every message persistent with the outbox id as
+//! `message_id` and its headers, an unroutable one is parked with `NO_ROUTE`; JetStream stores
+//! every message once, a subject without a stream is parked; rows published a second time (as
+//! after a relay that died between the confirmation and marking them sent) reach a downstream
+//! `#[idempotent(key = "message_id")]` handler as duplicates, or are dropped by the stream itself.
 
-use std::collections::HashMap;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use idempotent::outbox::{Destination, Outbox, OutboxState, OutgoingMessage, RelayOptions};
-use idempotent::{Inbox, idempotent};
-use sqlx::{Sqlite, SqliteConnection, SqlitePool};
+use idempotent::outbox::{Destination, OutboxState};
 
-struct Order {
-    order_id: String,
-    destination: Destination,
-}
-
-/// The producer's handler: records the order and queues its follow-up message.
-#[idempotent(key = "order_id", consumer = "orders")]
-async fn on_order(
-    tx: &mut SqliteConnection,
-    msg: &Order,
-    outbox: &mut Outbox,
-) -> Result<(), sqlx::Error> {
-    sqlx::query("INSERT INTO orders (id) VALUES ($1)")
-        .bind(&msg.order_id)
-        .execute(&mut *tx)
-        .await?;
-    let paid = OutgoingMessage::new(msg.destination.clone(), msg.order_id.clone().into_bytes())
-        .with_header("order-id", msg.order_id.clone());
-    outbox.send(paid);
-    Ok(())
-}
-
-/// What the downstream consumer is handed.
-struct Incoming {
-    message_id: String,
-    payload: Vec<u8>,
-}
-
-/// The downstream consumer: keyed on the broker's message id, as any consumer of these events is.
-#[idempotent(key = "message_id", consumer = "downstream")]
-async fn downstream(tx: &mut SqliteConnection, msg: &Incoming) -> Result<(), sqlx::Error> {
-    sqlx::query("INSERT INTO received (message_id, payload) VALUES ($1, $2)")
-        .bind(&msg.message_id)
-        .bind(&msg.payload)
-        .execute(&mut *tx)
-        .await?;
-    Ok(())
-}
-
-/// A producer's database with its outbox, and a downstream database with its inbox.
-struct Two {
-    producer: Inbox<Sqlite>,
-    downstream: Inbox<Sqlite>,
-    _dir: tempfile::TempDir,
-}
-
-impl Two {
-    async fn new() -> Self {
-        let dir = tempfile::tempdir().unwrap();
-        let open = async |name: &str, table: &str| {
-            let url = format!("sqlite://{}", dir.path().join(name).display());
-            let pool = SqlitePool::connect_with(idempotent::sqlite::connect_options(&url).unwrap())
-                .await
-                .unwrap();
-            sqlx::query(sqlx::AssertSqlSafe(table))
-                .execute(&pool)
-                .await
-                .unwrap();
-            let inbox = Inbox::new(pool);
-            inbox.migrate().await.unwrap();
-            inbox
-        };
-        Self {
-            producer: open("producer.db", "CREATE TABLE orders (id TEXT PRIMARY KEY)").await,
-            downstream: open(
-                "downstream.db",
-                "CREATE TABLE received (message_id TEXT NOT NULL, payload BLOB NOT NULL)",
-            )
-            .await,
-            _dir: dir,
-        }
-    }
-
-    /// Handles `count` orders, each queueing a message to `destination`; returns their ids.
-    async fn orders(&self, prefix: &str, count: usize, destination: &Destination) -> Vec<String> {
-        let mut ids = Vec::new();
-        for i in 0..count {
-            let order = Order {
-                order_id: format!("{prefix}-{i}"),
-                destination: destination.clone(),
-            };
-            assert!(
-                on_order(&self.producer, &order)
-                    .await
-                    .unwrap()
-                    .is_processed()
-            );
-            let key = idempotent::message_key(&order.order_id).unwrap();
-            ids.push(Outbox::derived_id("orders", &key, 0));
-        }
-        ids
-    }
-
-    /// Waits until the outbox has `sent` sent and `parked` parked messages and none pending.
-    async fn until_published(&self, sent: u64, parked: u64) {
-        let start = Instant::now();
-        loop {
-            let stats = self.producer.outbox_stats().await.unwrap();
-            if (stats.pending, stats.sent, stats.parked) == (0, sent, parked) {
-                return;
-            }
-            assert!(
-                start.elapsed() < Duration::from_secs(60),
-                "not published in time: {stats:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-
-    /// Makes every sent row pending again: what a relay that died after the broker's confirmation
-    /// and before its commit leaves behind.
-    async fn as_if_never_marked(&self) -> u64 {
-        sqlx::query("UPDATE idempotent_inbox_outbox SET state = 0 WHERE state = 1")
-            .execute(self.producer.pool())
-            .await
-            .unwrap()
-            .rows_affected()
-    }
-
-    /// How many times each message's effect was committed downstream.
-    async fn received(&self) -> HashMap<String, i64> {
-        sqlx::query_as::<_, (String, i64)>(
-            "SELECT message_id, COUNT(*) FROM received GROUP BY message_id",
-        )
-        .fetch_all(self.downstream.pool())
-        .await
-        .unwrap()
-        .into_iter()
-        .collect()
-    }
-}
-
-fn options() -> RelayOptions {
-    RelayOptions::default()
-        .batch_size(8)
-        .attempts(2, Duration::from_millis(50))
-        .poll_interval(Duration::from_millis(5), Duration::from_millis(50))
-}
+use crate::{Incoming, Two, downstream, options};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rabbitmq_gets_each_message_persistent_with_the_outbox_id_and_unroutable_ones_are_parked() {
+    let _no_alarm = crate::ALARM.read().await;
     use lapin::options::{BasicAckOptions, BasicGetOptions, QueueDeclareOptions};
     use lapin::types::{AMQPValue, FieldTable};
     use lapin::{Connection, ConnectionProperties};
