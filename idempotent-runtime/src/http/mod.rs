@@ -124,7 +124,6 @@ mod body;
 mod extract;
 mod fingerprint;
 mod flow;
-mod in_flight;
 mod layer;
 mod problem;
 mod request_key;
@@ -135,8 +134,10 @@ pub use extract::{IdempotentTx, RequestKey};
 pub use fingerprint::Fingerprint;
 pub use layer::{
     DEFAULT_CONSUMER, DEFAULT_MAX_REQUEST_BODY, DEFAULT_MAX_STORED_BODY, DEFAULT_RETENTION,
-    IdempotencyLayer, Idempotent,
+    DEFAULT_STORE_PATIENCE, IdempotencyLayer, Idempotent,
 };
 pub use problem::Rejection;
 pub use request_key::{DEFAULT_MAX_KEY_LEN, IDEMPOTENCY_KEY, KeyRejection};
-pub use stored::{BODY_OMITTED, DEFAULT_STORED_HEADERS, REPLAYED, StoredError, stored_by_default};
+pub use stored::{
+    BODY_OMITTED, DEFAULT_STORED_HEADERS, KEY_EXPIRES, REPLAYED, StoredError, stored_by_default,
+};
