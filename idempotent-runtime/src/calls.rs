@@ -180,12 +180,11 @@ impl<DB: Backend> Inbox<DB> {
         };
         // On an error the step stays in doubt, and the connection is closed with the session.
         ended.map_err(database_error(Stage::Call))?;
-        let outcome = match outcome {
+        session.end_step();
+        Ok(match outcome {
             None => Gated::Shut,
             Some(outcome) => Gated::Passed(outcome?),
-        };
-        session.end_step();
-        Ok(outcome)
+        })
     }
 
     /// The steps of [`begin_call`](Self::begin_call) on `conn`.

@@ -108,15 +108,13 @@ where
         stored: stored_key.clone(),
     });
     let request = Request::from_parts(parts, Body::from(body));
-    let expires = arrived
-        .checked_add(config.retention)
-        .map(|at| HeaderValue::from_str(&httpdate::fmt_http_date(at)));
+    let expires = arrived.checked_add(config.retention).and_then(http_date);
     let (answer, answered) = oneshot::channel();
     let run = Run {
         shared: shared.clone(),
         key: stored_key,
         fingerprint,
-        expires: expires.and_then(Result::ok),
+        expires,
         answer: Some(answer),
         _entered: entered,
     };
@@ -694,6 +692,17 @@ impl<DB: HttpBackend> Run<DB> {
     }
 }
 
+/// `at` as an HTTP-date header value; `None` outside what the format holds (before 1970, after
+/// 9999: a retention of centuries).
+fn http_date(at: SystemTime) -> Option<HeaderValue> {
+    const YEAR_10000: Duration = Duration::from_secs(253_402_300_800);
+    let since_epoch = at.duration_since(SystemTime::UNIX_EPOCH).ok()?;
+    if since_epoch >= YEAR_10000 {
+        return None;
+    }
+    HeaderValue::from_str(&httpdate::fmt_http_date(at)).ok()
+}
+
 /// The layer's own answer, logged when the server is at fault.
 fn reject(config: &Config, rejection: Rejection) -> Response {
     if rejection.status().is_server_error() {
@@ -707,4 +716,19 @@ fn reject(config: &Config, rejection: Rejection) -> Response {
         tracing::warn!(status = %rejection.status(), "{rejection}{causes}");
     }
     rejection.into_problem(config.documentation.as_ref())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn expiry_dates_out_of_the_format_are_left_out_not_a_panic() {
+        let day = SystemTime::UNIX_EPOCH + Duration::from_secs(86_400);
+        assert_eq!(http_date(day).unwrap(), "Fri, 02 Jan 1970 00:00:00 GMT");
+        let far = SystemTime::UNIX_EPOCH + Duration::from_secs(253_402_300_800);
+        assert!(http_date(far).is_none());
+        let huge = SystemTime::now().checked_add(Duration::from_secs(u64::MAX / 4));
+        assert!(huge.and_then(http_date).is_none());
+    }
 }
