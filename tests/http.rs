@@ -796,6 +796,29 @@ mod sqlite {
     /// as another process would have) waits for the first request's write lock like any writer,
     /// then finds its stored response and replays it. (Twins on the same instance get 409 at once:
     /// see `fifty_concurrent_requests_with_one_key_have_one_effect`.)
+    /// SQLite refuses every commit but the inbox's own while its transaction is open: a handler
+    /// that sends its own `ROLLBACK` or `COMMIT` cannot commit anything after it (its write fails,
+    /// and the test's handler answers 500), so nothing is stored and a retry runs again, with
+    /// nothing committed either time.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_handler_that_ends_its_transaction_commits_nothing() {
+        let api = Api::<Lite>::start(Setup::default()).await;
+        for statement in ["ROLLBACK", "COMMIT"] {
+            let label = format!("ends-{statement}");
+            let order = json!({ "label": label, "end_transaction": statement });
+            for run in 1..=2 {
+                let reply = api
+                    .send(Call::new("/payments", &label, order.clone()))
+                    .await
+                    .unwrap();
+                assert_eq!(reply.status, 500, "{statement}: {reply:?}");
+                assert!(!reply.replayed(), "{statement}: {reply:?}");
+                assert_eq!(api.seen.runs(&label), run, "{statement}: {reply:?}");
+            }
+            assert_eq!(api.db.effects("payments", &label).await, 0, "{statement}");
+        }
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_transactional_twin_on_another_instance_waits_for_the_write_lock_then_replays() {
         let api = Api::<Lite>::start(Setup::default()).await;

@@ -178,17 +178,29 @@ macro_rules! app_for {
         ) -> Response {
             let run = app.seen.run(&order.label);
             if let Some(statement) = &order.end_transaction {
-                sqlx::raw_sql(sqlx::AssertSqlSafe(statement.clone()))
+                let ended = sqlx::raw_sql(sqlx::AssertSqlSafe(statement.clone()))
                     .execute(tx.connection())
-                    .await
-                    .unwrap();
+                    .await;
+                if let Err(error) = ended {
+                    // SQLite refuses a `COMMIT` that is not the inbox's own.
+                    return Response::builder()
+                        .status(500)
+                        .body(Body::from(format!("{statement} failed: {error}")))
+                        .unwrap();
+                }
             }
-            sqlx::query(INSERT)
+            let written = sqlx::query(INSERT)
                 .bind("payments")
                 .bind(&order.label)
                 .execute(tx.connection())
-                .await
-                .unwrap();
+                .await;
+            if let Err(error) = written {
+                // SQLite refuses a write after the handler ended the transaction itself.
+                return Response::builder()
+                    .status(500)
+                    .body(Body::from(format!("the effect failed: {error}")))
+                    .unwrap();
+            }
             if order.deallocate_first && run == 1 {
                 sqlx::query("DEALLOCATE ALL")
                     .execute(tx.connection())

@@ -250,6 +250,32 @@ mod tests {
     use super::*;
 
     #[test]
+    fn an_ended_transaction_is_a_500_and_a_pending_store_a_503_to_retry() {
+        let ended = Rejection::TransactionEnded.into_response();
+        assert_eq!(ended.status(), StatusCode::INTERNAL_SERVER_ERROR);
+        assert!(ended.headers().get(header::RETRY_AFTER).is_none());
+        let pending = Rejection::StorePending {
+            retry_after: Duration::from_secs(2),
+        };
+        assert_eq!(pending.code(), "idempotency_store_pending");
+        let pending = pending.into_response();
+        assert_eq!(pending.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(pending.headers()[header::RETRY_AFTER], "2");
+    }
+
+    #[test]
+    fn only_problems_about_the_key_link_to_the_documentation() {
+        let docs = Documentation::new(&"https://example.com/keys".parse().unwrap());
+        let reused = Rejection::KeyReused.into_problem(Some(&docs));
+        assert_eq!(
+            reused.headers()[header::LINK],
+            "<https://example.com/keys>; rel=\"describedby\""
+        );
+        let failed = Rejection::HandlerLost.into_problem(Some(&docs));
+        assert!(failed.headers().get(header::LINK).is_none());
+    }
+
+    #[test]
     fn retry_after_rounds_up_to_whole_seconds() {
         assert_eq!(retry_after_seconds(Duration::ZERO), "1");
         assert_eq!(retry_after_seconds(Duration::from_millis(1500)), "2");
