@@ -453,8 +453,9 @@ async fn a_key_sent_to_a_transactional_and_a_leased_route_runs_one_handler<B: Ba
     let orders = [("/payments", "/emails"), ("/emails", "/payments")];
     for (first, second) in orders {
         for (instances, twin_server) in [("one", &api.server), ("two", &other)] {
-            for at_once in [false, true] {
-                let label = format!("mixed{first}{second}-{instances}-{at_once}").replace('/', "-");
+            // One after the other, then at the very same moment, three times.
+            for (round, at_once) in [(0, false), (1, true), (2, true), (3, true)] {
+                let label = format!("mixed{first}{second}-{instances}-{round}").replace('/', "-");
                 let order = json!({ "label": label, "sleep_ms": 800 });
                 let key = format!("k-{label}");
                 let (a, b) = tokio::join!(api.send(Call::new(first, &key, order.clone())), async {
