@@ -744,6 +744,57 @@ mod postgres {
         assert_eq!(api.db.effects("payments", "twin").await, 1);
     }
 
+    /// A leased response whose store is blocked for two leases (another session locks the inbox
+    /// table; the calls table stays writable): the layer keeps the call's lease alive while it
+    /// tries, so a retry on another instance gets 409 all along, never a second run; once the
+    /// lock is gone the response is stored and replayed. One run, one effect.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_leased_response_being_stored_keeps_its_lease_alive() {
+        let lease = Duration::from_secs(2);
+        let api = Api::<Pg>::start(Setup {
+            lease,
+            store_patience: Some(Duration::from_millis(500)),
+            ..Setup::default()
+        })
+        .await;
+        let other = api.another_instance();
+        let order = json!({ "label": "kept", "then_sleep_ms": 300 });
+        let call = || Call::new("/emails", "k-kept", order.clone());
+        let (first, blocked) = tokio::join!(api.send(call()), async {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while api.db.effects("emails", "kept").await == 0 {
+                assert!(
+                    Instant::now() < deadline,
+                    "the handler never wrote its effect"
+                );
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            http_app::WritesBlocked::take(
+                &api.db.0.pool,
+                &["BEGIN", "LOCK TABLE idempotent_inbox IN EXCLUSIVE MODE"],
+            )
+            .await
+        });
+        let first = first.unwrap();
+        assert_eq!(first.status, 503, "{first:?}");
+        // Two leases' worth of retries on another instance while the store is blocked.
+        let blocked_until = Instant::now() + 2 * lease;
+        while Instant::now() < blocked_until {
+            let retry = api.send_to(&other, call()).await.unwrap();
+            assert_eq!(retry.status, 409, "the lease must stay alive: {retry:?}");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        blocked.release().await;
+        let retry = api.settle(call, Duration::from_secs(30)).await;
+        assert_eq!(
+            (retry.status, retry.replayed(), retry.run()),
+            (201, true, 1),
+            "{retry:?}"
+        );
+        assert_eq!(api.seen.runs("kept"), 1);
+        assert_eq!(api.db.effects("emails", "kept").await, 1);
+    }
+
     /// A handler that runs `DEALLOCATE ALL` leaves its connection's prepared statements gone
     /// (and the driver's cache of them stale). Its own request fails as retryable (the response
     /// cannot be stored: 503, nothing committed); the next claim on the connection forgets the

@@ -417,7 +417,7 @@ pub struct WritesBlocked {
 
 impl WritesBlocked {
     /// Takes the lock with `statements` on a connection of `pool`, and holds it until released.
-    async fn take<DB: sqlx::Database>(
+    pub async fn take<DB: sqlx::Database>(
         pool: &sqlx::Pool<DB>,
         statements: &'static [&'static str],
     ) -> Self

@@ -38,6 +38,10 @@ use crate::store::database_error;
 use crate::store::no_wait::Attempt;
 use crate::transaction::{BeginError, InboxTransaction};
 
+/// How long a leased route tries to store a response at least (longer if its lease is), keeping
+/// the call's lease alive meanwhile.
+const STORE_TRIES: Duration = Duration::from_secs(60);
+
 /// The name of the pending call a leased route records per request.
 const CALL_NAME: &str = "http";
 
@@ -512,7 +516,8 @@ impl<DB: HttpBackend> Run<DB> {
     /// Stores a leased route's response, trying again while the database refuses it for now,
     /// and answers `response` only once it is stored. The client waits for the route's
     /// `store_patience`, then gets `503` while the tries go on, each after extending the call's
-    /// lease, for one lease at most: no retry runs the handler while its response is being
+    /// lease, for a lease or [`STORE_TRIES`], whichever is longer: no retry runs the handler while
+    /// its response is being
     /// stored (retries here find the key in flight, elsewhere its lease).
     async fn store_under_lease(
         &mut self,
@@ -552,10 +557,10 @@ impl<DB: HttpBackend> Run<DB> {
                 let pending = reject(&self.shared.config, pending);
                 self.answer(pending);
             }
-            if began.elapsed() >= lease {
+            if began.elapsed() >= lease.max(STORE_TRIES) {
                 tracing::error!(
-                    "the response could not be stored within a lease; the key stays pending until \
-                     its lease runs out, and a retry after that runs the handler again"
+                    "the response could not be stored in time; the key stays pending until its \
+                     lease runs out, and a retry after that runs the handler again"
                 );
                 return Err(Rejection::StorePending {
                     retry_after: Duration::from_secs(1),

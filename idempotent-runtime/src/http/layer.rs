@@ -267,7 +267,7 @@ impl<DB: HttpBackend> IdempotencyLayer<DB> {
     /// cannot store it for now (a lock held elsewhere, a connection lost): 5 seconds by default.
     /// After that the client gets `503` with `Retry-After` (`idempotency_store_pending`) instead
     /// of the handler's response, and the layer goes on storing it, keeping the call's lease
-    /// alive, for at most one more lease; meanwhile retries get `409`, then the replay. (Each
+    /// alive, for a minute or one lease, whichever is longer; meanwhile retries get `409`, then the replay. (Each
     /// attempt to store is cut off after this long too.)
     pub fn store_patience(self, patience: Duration) -> Self {
         self.configure(|config| config.store_patience = patience.max(Duration::from_millis(1)))

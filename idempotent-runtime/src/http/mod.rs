@@ -78,10 +78,10 @@
 //! A success is answered only for a response that is stored. On a leased route the handler's
 //! effect happened before the response is stored; when the database refuses the store for now (a
 //! lock held elsewhere, a lost connection), the layer tries again, extending the call's lease
-//! before each try, for one lease at most. The client gets the handler's response if that works
+//! before each try, for a minute or one lease, whichever is longer. The client gets the handler's response if that works
 //! within [`store_patience`](IdempotencyLayer::store_patience), and `503` otherwise; its retries
 //! find the key in flight (`409`) while the layer is still trying, and get the replay once it
-//! succeeded. If it never does (the lease's length passed), the key stays pending until the lease
+//! succeeded. If it never does, the key stays pending until the lease
 //! runs out, as after a crash.
 //!
 //! # What is stored, and for how long
