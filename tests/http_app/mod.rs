@@ -44,8 +44,9 @@ pub struct Order {
     /// `/payments` sends this statement (`ROLLBACK`, `COMMIT`) before its effect: the handler ends
     /// the claimed transaction itself, and its effect commits on its own.
     pub end_transaction: Option<String>,
-    /// `/emails` sleeps this long after its effect, before it answers.
-    pub then_sleep_ms: u64,
+    /// `/emails`, after its effect: signals `effect_written`, then waits for `go` before it
+    /// answers.
+    pub wait_after_effect: bool,
 }
 
 /// What the test sees of the server's handlers, whichever server runs them.
@@ -55,6 +56,10 @@ pub struct Seen {
     pub runs: Mutex<HashMap<String, u64>>,
     /// A hanging handler has started.
     pub hanging: Notify,
+    /// A handler told to wait after its effect has written it.
+    pub effect_written: Notify,
+    /// Lets a handler that waits after its effect answer.
+    pub go: Notify,
 }
 
 impl Seen {
@@ -232,7 +237,10 @@ macro_rules! app_for {
                     .execute(&app.pool)
                     .await
                     .unwrap();
-                tokio::time::sleep(Duration::from_millis(order.then_sleep_ms)).await;
+                if order.wait_after_effect {
+                    app.seen.effect_written.notify_one();
+                    app.seen.go.notified().await;
+                }
             }
             response
         }
