@@ -153,9 +153,10 @@
 //! # Observability
 //! Each keyed request runs in a `tracing` span named `idempotent_http` with the fields `consumer`,
 //! `key` (a digest, never the key) and `outcome` (`processed`, `replayed`, `not stored`,
-//! `refused`); the layer's answers for the server's failures are logged at `warn`. In the inbox's
-//! [`metrics`](crate::Inbox::metrics) (shared with the inbox the layer was made from), a committed
-//! response counts in `processed`, a replay in `duplicates`, a reused key in
+//! `refused`); the layer's answers for the server's failures are logged at `warn`, a handler that
+//! ended its transaction itself and a response that could not be stored in time at `error`. In
+//! the inbox's [`metrics`](crate::Inbox::metrics) (shared with the inbox the layer was made from),
+//! a committed response counts in `processed`, a replay in `duplicates`, a reused key in
 //! `fingerprint_mismatches`, a `409` on a leased route in `calls_in_progress`.
 
 mod body;
