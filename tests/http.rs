@@ -582,6 +582,20 @@ async fn a_handler_that_ends_its_transaction_gets_one_stored_answer<B: Backend>(
         assert_eq!(api.seen.runs(&label), 1, "{statement}");
         assert_eq!(api.db.effects("payments", &label).await, 1, "{statement}");
     }
+    // The same when the handler answers a 5xx, which is otherwise not stored: after its own
+    // `ROLLBACK` its effect committed anyway.
+    let order = json!({ "label": "ends-then-fails", "end_transaction": "ROLLBACK", "status": 503 });
+    let call = || Call::new("/payments", "ends-then-fails", order.clone());
+    for n in 0..3 {
+        let reply = api.send(call()).await.unwrap();
+        assert_eq!(
+            (reply.status, reply.code().as_str(), reply.replayed()),
+            (500, "transaction_ended", n > 0),
+            "{n}: {reply:?}"
+        );
+    }
+    assert_eq!(api.seen.runs("ends-then-fails"), 1);
+    assert_eq!(api.db.effects("payments", "ends-then-fails").await, 1);
 }
 
 /// The query string's empty pairs do not make another request (`?a=1&` is `?a=1`); another

@@ -261,6 +261,12 @@ impl<DB: HttpBackend> Run<DB> {
         };
         let (mut head, body) = response.into_parts();
         if !(self.shared.config.store_when)(head.status) {
+            if self.claim_rolled_back(&mut claimed).await {
+                // What the handler wrote after its `ROLLBACK` committed on its own: running it
+                // again would write it again.
+                claimed.rollback().await;
+                return Ok(self.transaction_ended(false, &[]).await);
+            }
             claimed.rollback().await;
             return Ok((Outcome::NotStored, Response::from_parts(head, body)));
         }
@@ -283,6 +289,25 @@ impl<DB: HttpBackend> Run<DB> {
             }
             Err(error) => Err(Rejection::Inbox(error)),
         }
+    }
+
+    /// Whether the handler rolled back the claimed transaction itself (a raw `ROLLBACK`), on a
+    /// database where its later writes then commit on their own (PostgreSQL): the claimed key is
+    /// gone from what the connection sees. (A read that fails says nothing: a statement failed in
+    /// the transaction, which is still the claim's.)
+    async fn claim_rolled_back(&self, claimed: &mut Claimed<DB>) -> bool {
+        if DB::REFUSES_LATER_WRITES {
+            return false;
+        }
+        let statements = &self.inbox().config.statements;
+        let row = DB::stored(
+            claimed.connection(),
+            statements,
+            self.consumer(),
+            self.key.as_bytes(),
+        )
+        .await;
+        matches!(row, Ok(None))
     }
 
     /// The answer to a request whose handler ended the claimed transaction itself: a `500`

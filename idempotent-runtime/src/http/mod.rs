@@ -61,7 +61,7 @@
 //! | a key that is empty, longer than 255 characters, not visible ASCII, sent twice, or a list (an unquoted comma) | `400` |
 //! | the scope function names no client | `400` |
 //! | a body longer than the route reads (2 MiB) | `413` |
-//! | transactional route, the handler ended the claimed transaction itself (a raw `COMMIT` or `ROLLBACK`) and wrote on | PostgreSQL: `500`, code `transaction_ended`, **stored**: retries get it replayed and the handler never runs again. SQLite refuses such writes (nothing commits): the handler's own error, and a retry runs again |
+//! | transactional route, the handler ended the claimed transaction itself (a raw `COMMIT` or `ROLLBACK`) and wrote on | PostgreSQL: `500`, code `transaction_ended`, **stored**: retries get it replayed and the handler never runs again (also when the handler answered a `5xx` after its `ROLLBACK`; after its `COMMIT` and a `5xx` the key is committed without a response, and retries get `500` `idempotency_stored_response_unreadable`). SQLite refuses such writes (nothing commits): the handler's own error, and a retry runs again |
 //! | leased route, the response cannot be stored within [`store_patience`](IdempotencyLayer::store_patience) (5 s) | `503` with `Retry-After`, code `idempotency_store_pending`; the layer goes on storing it, retries get `409` until then and the replay after |
 //! | the database fails | `503` with `Retry-After` when retryable, else `500`; nothing committed |
 //!
