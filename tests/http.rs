@@ -185,6 +185,11 @@ async fn requests_without_a_usable_key_are_400<B: Backend>() {
             Call::new("/payments", "\"unclosed", order()),
             "idempotency_key_invalid",
         ),
+        // Two keys, as a proxy that merges repeated headers would send them.
+        (
+            Call::new("/payments", "a,b", order()),
+            "idempotency_key_invalid",
+        ),
         (
             Call::new("/emails", "k-anonymous", order()).client(None),
             "idempotency_scope_missing",
@@ -221,6 +226,16 @@ async fn requests_without_a_usable_key_are_400<B: Backend>() {
     assert_eq!((bare.status, quoted.status), (201, 201));
     assert!(quoted.replayed());
     assert_eq!(api.db.effects("payments", "quoted").await, 1);
+    // In quotes, a comma is part of the key.
+    let comma = api
+        .send(Call::new(
+            "/payments",
+            "\"k,comma\"",
+            json!({ "label": "comma" }),
+        ))
+        .await
+        .unwrap();
+    assert_eq!(comma.status, 201, "{comma:?}");
 }
 
 /// A 5xx is not stored, so the retry runs again (on `/payments` the failed run's effect rolled
@@ -425,6 +440,258 @@ async fn a_leased_twin_on_another_instance_gets_409_at_once<B: Backend>() {
     assert_eq!(api.db.effects("emails", "twin").await, 1);
 }
 
+/// One client sends one key to a transactional route (`/payments`) and to a leased route
+/// (`/emails`) that share the layers' consumer: one handler runs, whichever came first, on one
+/// instance or two, one after the other or at the very same moment; the other request is refused
+/// (409), or, if it reached the key only once the other's answer was stored (on SQLite, where a
+/// leased twin on another instance waits for the transactional request's write lock), gets what
+/// its retry gets: 422, its key now belongs to another request.
+/// Each client's retry then gets a consistent answer: the replay for the one that ran, 422 for
+/// the other, which never ran.
+async fn a_key_sent_to_a_transactional_and_a_leased_route_runs_one_handler<B: Backend>() {
+    let api = Api::<B>::start(Setup::default()).await;
+    let other = api.another_instance();
+    let orders = [("/payments", "/emails"), ("/emails", "/payments")];
+    for (first, second) in orders {
+        for (instances, twin_server) in [("one", &api.server), ("two", &other)] {
+            // One after the other, then at the very same moment, three times.
+            for (round, at_once) in [(0, false), (1, true), (2, true), (3, true)] {
+                let label = format!("mixed{first}{second}-{instances}-{round}").replace('/', "-");
+                let order = json!({ "label": label, "sleep_ms": 800 });
+                let key = format!("k-{label}");
+                let (a, b) = tokio::join!(api.send(Call::new(first, &key, order.clone())), async {
+                    if !at_once {
+                        api.until_runs(&label, 1).await;
+                    }
+                    api.send_to(twin_server, Call::new(second, &key, order.clone()))
+                        .await
+                });
+                let replies = [(first, a.unwrap()), (second, b.unwrap())];
+                let case = format!("{label}: {replies:?}");
+                let ran: Vec<_> = replies.iter().filter(|(_, r)| r.status == 201).collect();
+                assert_eq!(ran.len(), 1, "exactly one success: {case}");
+                assert_eq!(api.seen.runs(&label), 1, "one handler run: {case}");
+                let effects = api.db.effects("payments", &label).await
+                    + api.db.effects("emails", &label).await;
+                assert_eq!(effects, 1, "one effect: {case}");
+                let (winner, won) = ran[0];
+                let (loser, refused) = replies.iter().find(|(_, r)| r.status != 201).unwrap();
+                // A twin that reached the key only after the winner's answer was stored (on
+                // SQLite across instances it waits for the write lock; elsewhere a machine slow
+                // enough) is a later request, for which the key is taken: 422.
+                let came_after = refused.finished > won.finished
+                    || (B::ONE_WRITER && instances == "two" && *loser == "/emails");
+                match refused.status {
+                    409 => assert_eq!(refused.code(), "idempotency_key_in_use", "{case}"),
+                    422 if came_after => {
+                        assert_eq!(refused.code(), "idempotency_key_reused", "{case}")
+                    }
+                    _ => panic!("the twin must be refused: {case}"),
+                }
+                let winner_retry = api
+                    .settle(
+                        || Call::new(winner, &key, order.clone()),
+                        Duration::from_secs(10),
+                    )
+                    .await;
+                assert_eq!(
+                    (
+                        winner_retry.status,
+                        winner_retry.replayed(),
+                        winner_retry.run()
+                    ),
+                    (201, true, 1),
+                    "{case}: {winner_retry:?}"
+                );
+                let loser_retry = api
+                    .settle(
+                        || Call::new(loser, &key, order.clone()),
+                        Duration::from_secs(10),
+                    )
+                    .await;
+                assert_eq!(loser_retry.status, 422, "{case}: {loser_retry:?}");
+                assert_eq!(api.seen.runs(&label), 1, "{case}");
+            }
+        }
+    }
+}
+
+/// A leased request whose response cannot be stored for a while (another session holds the
+/// write lock on SQLite, or locks the inbox's tables on PostgreSQL): the client never gets a
+/// success for an outcome that is not stored. After the layer's patience it gets 503 with
+/// Retry-After; meanwhile and after, its retries (on this instance and on another) get 409, never
+/// a second run; once the lock is gone, the layer stores the response and the retry gets its
+/// replay. One effect.
+async fn a_leased_response_that_cannot_be_stored_is_never_a_success<B: Backend>() {
+    let api = Api::<B>::start(Setup {
+        store_patience: Some(Duration::from_secs(1)),
+        ..Setup::default()
+    })
+    .await;
+    let other = api.another_instance();
+    let order = json!({ "label": "unstored", "wait_after_effect": true });
+    let call = || Call::new("/emails", "k-unstored", order.clone());
+    let (first, blocked) = tokio::join!(api.send(call()), async {
+        // The handler's effect is written: lock the layer out, then let the handler answer.
+        api.seen.effect_written.notified().await;
+        let blocked = api.db.block_writes().await;
+        api.seen.go.notify_one();
+        blocked
+    });
+    let first = first.unwrap();
+    assert_eq!(first.status, 503, "not a success while unstored: {first:?}");
+    assert!(first.retry_after().is_some(), "{first:?}");
+    assert_eq!(first.code(), "idempotency_store_pending");
+    for server in [&api.server, &other] {
+        let retry = api.send_to(server, call()).await.unwrap();
+        assert_eq!(retry.status, 409, "still being stored: {retry:?}");
+    }
+    blocked.release().await;
+    let retry = api.settle(call, Duration::from_secs(30)).await;
+    assert_eq!(
+        (retry.status, retry.replayed(), retry.run()),
+        (201, true, 1),
+        "{retry:?}"
+    );
+    assert_eq!(api.seen.runs("unstored"), 1);
+    assert_eq!(api.db.effects("emails", "unstored").await, 1);
+}
+
+/// A transactional handler that ends the claimed transaction itself (a raw `ROLLBACK` or
+/// `COMMIT`, then its effect, which commits on its own): the request gets a 500 problem of its
+/// own (`transaction_ended`), which is stored for the key, so that its retries get the same
+/// answer, replayed, and never run the handler again. One effect. (PostgreSQL: SQLite refuses
+/// the writes a handler makes after it ended the inbox's transaction, so nothing of it commits.)
+async fn a_handler_that_ends_its_transaction_gets_one_stored_answer<B: Backend>() {
+    let api = Api::<B>::start(Setup::default()).await;
+    for statement in ["ROLLBACK", "COMMIT"] {
+        let label = format!("ends-{statement}");
+        let order = json!({ "label": label, "end_transaction": statement });
+        let call = || Call::new("/payments", &label, order.clone());
+        let replies = [
+            api.send(call()).await.unwrap(),
+            api.send(call()).await.unwrap(),
+            api.send(call()).await.unwrap(),
+        ];
+        for (n, reply) in replies.iter().enumerate() {
+            assert_eq!(reply.status, 500, "{statement} {n}: {reply:?}");
+            assert_eq!(reply.code(), "transaction_ended", "{statement} {n}");
+            assert_eq!(reply.replayed(), n > 0, "{statement} {n}: {reply:?}");
+            assert_eq!(reply.body, replies[0].body, "{statement} {n}");
+        }
+        assert_eq!(api.seen.runs(&label), 1, "{statement}");
+        assert_eq!(api.db.effects("payments", &label).await, 1, "{statement}");
+    }
+    // The same when the handler answers a 5xx, which is otherwise not stored: after its own
+    // `ROLLBACK` its effect committed anyway.
+    let order = json!({ "label": "ends-then-fails", "end_transaction": "ROLLBACK", "status": 503 });
+    let call = || Call::new("/payments", "ends-then-fails", order.clone());
+    for n in 0..3 {
+        let reply = api.send(call()).await.unwrap();
+        assert_eq!(
+            (reply.status, reply.code().as_str(), reply.replayed()),
+            (500, "transaction_ended", n > 0),
+            "{n}: {reply:?}"
+        );
+    }
+    assert_eq!(api.seen.runs("ends-then-fails"), 1);
+    assert_eq!(api.db.effects("payments", "ends-then-fails").await, 1);
+}
+
+/// The query string's empty pairs do not make another request (`?a=1&` is `?a=1`); another
+/// value, or the pairs in another order, does (422).
+async fn query_strings_are_compared_without_empty_pairs<B: Backend>() {
+    let api = Api::<B>::start(Setup::default()).await;
+    let order = json!({ "label": "query" });
+    let first = api
+        .send(Call::new("/payments?a=1&b=2&", "k-query", order.clone()))
+        .await
+        .unwrap();
+    assert_eq!(first.status, 201);
+    for same in ["/payments?a=1&b=2", "/payments?&a=1&&b=2"] {
+        let reply = api
+            .send(Call::new(same, "k-query", order.clone()))
+            .await
+            .unwrap();
+        assert_eq!(
+            (reply.status, reply.replayed()),
+            (201, true),
+            "{same}: {reply:?}"
+        );
+    }
+    for different in ["/payments?a=1&b=3", "/payments?b=2&a=1", "/payments"] {
+        let reply = api
+            .send(Call::new(different, "k-query", order.clone()))
+            .await
+            .unwrap();
+        assert_eq!(reply.status, 422, "{different}: {reply:?}");
+    }
+    assert_eq!(api.seen.runs("query"), 1);
+}
+
+/// With a documentation URI configured, the 400 for a missing key and the 422 for a reused key
+/// name it, as the problem's `type` and in a `Link: <…>; rel="describedby"` header. Every keyed
+/// answer (the first and its replays, on both kinds of route) says until when the key is kept,
+/// in `Idempotency-Key-Expires`: the retention (24 hours) after the first request, the same date
+/// in every replay.
+async fn keyed_answers_link_their_documentation_and_say_when_the_key_expires<B: Backend>() {
+    const DOCS: &str = "https://example.com/docs/idempotency";
+    let api = Api::<B>::start(Setup {
+        documentation: Some(DOCS),
+        ..Setup::default()
+    })
+    .await;
+    let order = json!({ "label": "documented" });
+    let missing = api
+        .send(Call::new("/payments", "", order.clone()).keys(&[]))
+        .await
+        .unwrap();
+    for (route, key) in [
+        ("/payments", "k-documented"),
+        ("/emails", "k-documented-email"),
+    ] {
+        let sent = std::time::SystemTime::now();
+        let first = api
+            .send(Call::new(route, key, order.clone()))
+            .await
+            .unwrap();
+        let replay = api
+            .send(Call::new(route, key, order.clone()))
+            .await
+            .unwrap();
+        assert!(replay.replayed());
+        let expires = first.headers["idempotency-key-expires"].to_str().unwrap();
+        assert_eq!(
+            replay.headers["idempotency-key-expires"], expires,
+            "{route}"
+        );
+        let expires = httpdate::parse_http_date(expires).unwrap();
+        let day = Duration::from_secs(24 * 60 * 60);
+        assert!(
+            expires + Duration::from_secs(2) >= sent + day
+                && expires <= std::time::SystemTime::now() + day + Duration::from_secs(1),
+            "{route}: {expires:?}"
+        );
+    }
+    let reused = api
+        .send(Call::new(
+            "/payments",
+            "k-documented",
+            json!({ "label": "other" }),
+        ))
+        .await
+        .unwrap();
+    for (reply, status) in [(missing, 400), (reused, 422)] {
+        assert_eq!(reply.status, status, "{reply:?}");
+        assert_eq!(reply.json()["type"], DOCS, "{reply:?}");
+        assert_eq!(
+            reply.headers[header::LINK],
+            format!("<{DOCS}>; rel=\"describedby\""),
+            "{reply:?}"
+        );
+    }
+}
+
 macro_rules! http_tests {
     ($backend:ty: $($name:ident),* $(,)?) => {$(
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -448,6 +715,10 @@ macro_rules! all_http_tests {
             a_killed_server_leaves_a_transactional_key_free,
             a_killed_server_leaves_a_leased_key_pending_until_its_lease_runs_out,
             a_leased_twin_on_another_instance_gets_409_at_once,
+            a_key_sent_to_a_transactional_and_a_leased_route_runs_one_handler,
+            a_leased_response_that_cannot_be_stored_is_never_a_success,
+            query_strings_are_compared_without_empty_pairs,
+            keyed_answers_link_their_documentation_and_say_when_the_key_expires,
         );
     };
 }
@@ -456,6 +727,7 @@ mod postgres {
     use super::*;
 
     all_http_tests!(super::Pg);
+    http_tests!(super::Pg: a_handler_that_ends_its_transaction_gets_one_stored_answer);
 
     /// A transactional request in flight on another instance: the twin's claim does not get the
     /// key's advisory lock, and it is refused at once, instead of waiting on the first request's
@@ -482,6 +754,52 @@ mod postgres {
         let replay = api.send_to(&other, call()).await.unwrap();
         assert!(replay.replayed());
         assert_eq!(api.db.effects("payments", "twin").await, 1);
+    }
+
+    /// A leased response whose store is blocked for two leases (another session locks the inbox
+    /// table; the calls table stays writable): the layer keeps the call's lease alive while it
+    /// tries, so a retry on another instance gets 409 all along, never a second run; once the
+    /// lock is gone the response is stored and replayed. One run, one effect.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_leased_response_being_stored_keeps_its_lease_alive() {
+        let lease = Duration::from_secs(2);
+        let api = Api::<Pg>::start(Setup {
+            lease,
+            store_patience: Some(Duration::from_millis(500)),
+            ..Setup::default()
+        })
+        .await;
+        let other = api.another_instance();
+        let order = json!({ "label": "kept", "wait_after_effect": true });
+        let call = || Call::new("/emails", "k-kept", order.clone());
+        let (first, blocked) = tokio::join!(api.send(call()), async {
+            api.seen.effect_written.notified().await;
+            let blocked = http_app::WritesBlocked::take(
+                &api.db.0.pool,
+                &["BEGIN", "LOCK TABLE idempotent_inbox IN EXCLUSIVE MODE"],
+            )
+            .await;
+            api.seen.go.notify_one();
+            blocked
+        });
+        let first = first.unwrap();
+        assert_eq!(first.status, 503, "{first:?}");
+        // Two leases' worth of retries on another instance while the store is blocked.
+        let blocked_until = Instant::now() + 2 * lease;
+        while Instant::now() < blocked_until {
+            let retry = api.send_to(&other, call()).await.unwrap();
+            assert_eq!(retry.status, 409, "the lease must stay alive: {retry:?}");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        blocked.release().await;
+        let retry = api.settle(call, Duration::from_secs(30)).await;
+        assert_eq!(
+            (retry.status, retry.replayed(), retry.run()),
+            (201, true, 1),
+            "{retry:?}"
+        );
+        assert_eq!(api.seen.runs("kept"), 1);
+        assert_eq!(api.db.effects("emails", "kept").await, 1);
     }
 
     /// A handler that runs `DEALLOCATE ALL` leaves its connection's prepared statements gone
@@ -537,6 +855,29 @@ mod sqlite {
     /// as another process would have) waits for the first request's write lock like any writer,
     /// then finds its stored response and replays it. (Twins on the same instance get 409 at once:
     /// see `fifty_concurrent_requests_with_one_key_have_one_effect`.)
+    /// SQLite refuses every commit but the inbox's own while its transaction is open: a handler
+    /// that sends its own `ROLLBACK` or `COMMIT` cannot commit anything after it (its write fails,
+    /// and the test's handler answers 500), so nothing is stored and a retry runs again, with
+    /// nothing committed either time.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_handler_that_ends_its_transaction_commits_nothing() {
+        let api = Api::<Lite>::start(Setup::default()).await;
+        for statement in ["ROLLBACK", "COMMIT"] {
+            let label = format!("ends-{statement}");
+            let order = json!({ "label": label, "end_transaction": statement });
+            for run in 1..=2 {
+                let reply = api
+                    .send(Call::new("/payments", &label, order.clone()))
+                    .await
+                    .unwrap();
+                assert_eq!(reply.status, 500, "{statement}: {reply:?}");
+                assert!(!reply.replayed(), "{statement}: {reply:?}");
+                assert_eq!(api.seen.runs(&label), run, "{statement}: {reply:?}");
+            }
+            assert_eq!(api.db.effects("payments", &label).await, 0, "{statement}");
+        }
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_transactional_twin_on_another_instance_waits_for_the_write_lock_then_replays() {
         let api = Api::<Lite>::start(Setup::default()).await;

@@ -16,6 +16,7 @@
 //! database's, so instances with skewed clocks agree.
 
 use std::future::Future;
+use std::pin::Pin;
 use std::time::Duration;
 
 use serde::Serialize;
@@ -28,6 +29,7 @@ use crate::key::{IdempotencyKey, MessageKey};
 use crate::metrics::CallOutcome;
 use crate::session::Session;
 use crate::store::{Backend, CallId, CallRow, begin_alone, database_error, end_alone};
+use sqlx_core::transaction::TransactionManager;
 
 /// The longest lease a call may ask for: a lease is how long other attempts wait for this one
 /// before they take the call over, and one longer than this is a mistake (a `Duration::MAX` would
@@ -86,6 +88,25 @@ pub enum CallStart<R> {
     Completed(R),
 }
 
+/// A lock that [`Inbox::begin_call_gated`] takes first, in the transaction that records the call:
+/// `Ok(false)` when another transaction holds it.
+pub(crate) type CallGate<'g, DB> = Box<
+    dyn for<'c> FnOnce(
+            &'c mut <DB as sqlx::Database>::Connection,
+        )
+            -> Pin<Box<dyn Future<Output = Result<bool, sqlx::Error>> + Send + 'c>>
+        + Send
+        + 'g,
+>;
+
+/// Whether a gated step passed its gate.
+pub(crate) enum Gated<T> {
+    /// It took the lock; here is what the step did.
+    Passed(T),
+    /// Another transaction holds the lock; nothing was done.
+    Shut,
+}
+
 /// Checks a call's name and lease before any database work.
 fn check_call(name: &str, lease: Duration) -> Result<(), InboxError> {
     check_name(name).map_err(|reason| InboxError::CallName {
@@ -112,8 +133,69 @@ impl<DB: Backend> Inbox<DB> {
         name: &str,
         lease: Duration,
     ) -> Result<CallStart<R>, InboxError> {
+        match self
+            .begin_call_gated(consumer, key, name, lease, None)
+            .await?
+        {
+            Gated::Passed(start) => Ok(start),
+            // Without a gate there is nothing to be shut out by.
+            Gated::Shut => Err(InboxError::CallInProgress {
+                retry_after: Duration::ZERO,
+            }),
+        }
+    }
+
+    /// [`begin_call`](Self::begin_call), whose steps run in one transaction that first takes
+    /// `gate`'s lock, when there is a gate: `Shut` when another transaction holds the lock (the HTTP
+    /// layer's transactional claim of the same key, on PostgreSQL), and nothing was recorded.
+    pub(crate) async fn begin_call_gated<R: DeserializeOwned>(
+        &self,
+        consumer: &str,
+        key: &MessageKey,
+        name: &str,
+        lease: Duration,
+        gate: Option<CallGate<'_, DB>>,
+    ) -> Result<Gated<CallStart<R>>, InboxError> {
         check_consumer(consumer)?;
         check_call(name, lease)?;
+        let mut session = self.call_session().await?;
+        let conn = session.start_step();
+        let Some(gate) = gate else {
+            let start = self.record_call(conn, consumer, key, name, lease).await?;
+            session.end_step();
+            return Ok(Gated::Passed(start));
+        };
+        let failed = database_error(Stage::Call);
+        <DB as sqlx::Database>::TransactionManager::begin(conn, None)
+            .await
+            .map_err(database_error(Stage::Call))?;
+        let outcome = match gate(conn).await {
+            Ok(true) => Some(self.record_call(conn, consumer, key, name, lease).await),
+            Ok(false) => None,
+            Err(error) => Some(Err(failed(error))),
+        };
+        let ended = match &outcome {
+            Some(Ok(_)) => <DB as sqlx::Database>::TransactionManager::commit(conn).await,
+            _ => <DB as sqlx::Database>::TransactionManager::rollback(conn).await,
+        };
+        // On an error the step stays in doubt, and the connection is closed with the session.
+        ended.map_err(database_error(Stage::Call))?;
+        session.end_step();
+        Ok(match outcome {
+            None => Gated::Shut,
+            Some(outcome) => Gated::Passed(outcome?),
+        })
+    }
+
+    /// The steps of [`begin_call`](Self::begin_call) on `conn`.
+    async fn record_call<R: DeserializeOwned>(
+        &self,
+        conn: &mut DB::Connection,
+        consumer: &str,
+        key: &MessageKey,
+        name: &str,
+        lease: Duration,
+    ) -> Result<CallStart<R>, InboxError> {
         let statements = &self.config.statements;
         let id = CallId {
             consumer,
@@ -129,18 +211,17 @@ impl<DB: Backend> Inbox<DB> {
                 fence,
             })
         };
-        let mut session = self.call_session().await?;
-        let inserted = DB::call_insert(session.start_step(), statements, id, lease_ms)
+        let inserted = DB::call_insert(&mut *conn, statements, id, lease_ms)
             .await
             .map_err(database_error(Stage::Call))?;
-        session.end_step();
         if inserted {
             tracing::debug!(consumer, call = name, key = %key.digest(), "call pending");
             return Ok(run(1));
         }
-        let Some((fence, lease_until, completed, result, now)) =
-            read_call(&mut session, statements, id).await?
-        else {
+        let row = DB::call_read(&mut *conn, statements, id)
+            .await
+            .map_err(database_error(Stage::Call))?;
+        let Some((fence, lease_until, completed, result, now)) = row else {
             // Deleted between the two statements: as good as in progress; try again.
             return Err(InboxError::CallInProgress {
                 retry_after: Duration::ZERO,
@@ -161,10 +242,9 @@ impl<DB: Backend> Inbox<DB> {
             );
             return Err(InboxError::CallInProgress { retry_after });
         }
-        let taken = DB::call_take_over(session.start_step(), statements, id, fence, lease_ms)
+        let taken = DB::call_take_over(&mut *conn, statements, id, fence, lease_ms)
             .await
             .map_err(database_error(Stage::Call))?;
-        session.end_step();
         if taken {
             tracing::info!(
                 consumer,
@@ -177,6 +257,50 @@ impl<DB: Backend> Inbox<DB> {
         // Another attempt took it over first.
         self.metrics.call(consumer, CallOutcome::InProgress);
         Err(InboxError::CallInProgress { retry_after: lease })
+    }
+
+    /// The rest of the lease of the call `name` of `consumer`'s message `key`, if it is pending
+    /// with a live lease: a read, which waits for no writer.
+    pub(crate) async fn call_lease_left(
+        &self,
+        consumer: &str,
+        key: &MessageKey,
+        name: &str,
+    ) -> Result<Option<Duration>, InboxError> {
+        let mut session = self.call_session().await?;
+        let id = CallId {
+            consumer,
+            key: key.as_bytes(),
+            name,
+        };
+        let row = read_call(&mut session, &self.config.statements, id).await?;
+        Ok(match row {
+            Some((_, lease_until, false, _, now)) if lease_until > now => {
+                Some(Duration::from_millis((lease_until - now) as u64))
+            }
+            _ => None,
+        })
+    }
+
+    /// Moves the end of `lease`'s pending call to `lease` from now, if it still holds the call:
+    /// `false` when it was taken over, completed or released since.
+    pub(crate) async fn extend_call(
+        &self,
+        held: &CallLease,
+        lease: Duration,
+    ) -> Result<bool, InboxError> {
+        let mut session = self.call_session().await?;
+        let extended = DB::call_extend(
+            session.start_step(),
+            &self.config.statements,
+            held.id(),
+            held.fence,
+            millis(lease),
+        )
+        .await
+        .map_err(database_error(Stage::Call))?;
+        session.end_step();
+        Ok(extended)
     }
 
     /// Marks the call completed with `result`, if `lease` still holds it; [`InboxError::Fenced`]

@@ -40,6 +40,9 @@ pub struct Inbox<DB: Backend> {
     worker: Option<Arc<Worker<DB>>>,
     /// The queue of this inbox's writers, on a database with one writer at a time.
     writers: Option<Arc<Semaphore>>,
+    /// The keys the HTTP layers made from this inbox are handling.
+    #[cfg(feature = "http")]
+    pub(crate) in_flight: Arc<crate::in_flight::InFlight>,
 }
 
 /// What an inbox is configured with; shared by its clones, replaced whole by the `with_…`
@@ -110,6 +113,8 @@ impl<DB: Backend> Inbox<DB> {
             spares: Arc::default(),
             worker: None,
             writers: DB::ONE_WRITER.then(|| Arc::new(Semaphore::new(1))),
+            #[cfg(feature = "http")]
+            in_flight: Arc::default(),
         }
     }
 
@@ -466,6 +471,8 @@ impl<DB: Backend> Clone for Inbox<DB> {
             spares: self.spares.clone(),
             worker: self.worker.clone(),
             writers: self.writers.clone(),
+            #[cfg(feature = "http")]
+            in_flight: self.in_flight.clone(),
         }
     }
 }

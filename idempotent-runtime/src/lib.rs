@@ -15,6 +15,8 @@ mod error;
 #[cfg(feature = "http")]
 #[cfg_attr(docsrs, doc(cfg(feature = "http")))]
 pub mod http;
+#[cfg(feature = "http")]
+mod in_flight;
 mod inbox;
 pub mod key;
 mod markers;

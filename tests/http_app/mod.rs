@@ -41,6 +41,12 @@ pub struct Order {
     /// On its first run for this label, `/payments` runs `DEALLOCATE ALL` (PostgreSQL) after its
     /// effect: the connection's prepared statements are gone.
     pub deallocate_first: bool,
+    /// `/payments` sends this statement (`ROLLBACK`, `COMMIT`) before its effect: the handler ends
+    /// the claimed transaction itself, and its effect commits on its own.
+    pub end_transaction: Option<String>,
+    /// `/emails`, after its effect: signals `effect_written`, then waits for `go` before it
+    /// answers.
+    pub wait_after_effect: bool,
 }
 
 /// What the test sees of the server's handlers, whichever server runs them.
@@ -50,6 +56,10 @@ pub struct Seen {
     pub runs: Mutex<HashMap<String, u64>>,
     /// A hanging handler has started.
     pub hanging: Notify,
+    /// A handler told to wait after its effect has written it.
+    pub effect_written: Notify,
+    /// Lets a handler that waits after its effect answer.
+    pub go: Notify,
 }
 
 impl Seen {
@@ -72,6 +82,10 @@ pub struct Setup {
     pub max_stored_body: usize,
     /// The server's pool.
     pub connections: u32,
+    /// The leased layer's `store_patience`, if set.
+    pub store_patience: Option<Duration>,
+    /// The layers' documentation URI, if set.
+    pub documentation: Option<&'static str>,
 }
 
 impl Default for Setup {
@@ -80,6 +94,8 @@ impl Default for Setup {
             lease: Duration::from_secs(30),
             max_stored_body: idempotent::http::DEFAULT_MAX_STORED_BODY,
             connections: 16,
+            store_patience: None,
+            documentation: None,
         }
     }
 }
@@ -139,11 +155,19 @@ macro_rules! app_for {
 
         pub fn router(pool: sqlx::Pool<$db>, seen: Arc<Seen>, setup: &Setup) -> Router {
             let inbox = idempotent::Inbox::new(pool.clone());
-            let payments = IdempotencyLayer::transactional(inbox.clone(), scope)
+            let mut payments = IdempotencyLayer::transactional(inbox.clone(), scope)
                 .max_stored_body(setup.max_stored_body);
-            let emails = IdempotencyLayer::leased(inbox, scope, setup.lease)
+            let mut emails = IdempotencyLayer::leased(inbox, scope, setup.lease)
                 .unwrap()
                 .max_stored_body(setup.max_stored_body);
+            if let Some(patience) = setup.store_patience {
+                emails = emails.store_patience(patience);
+            }
+            if let Some(uri) = setup.documentation {
+                let uri: axum::http::Uri = uri.parse().unwrap();
+                payments = payments.documentation(uri.clone());
+                emails = emails.documentation(uri);
+            }
             Router::new()
                 .route("/payments", post(payments_handler).layer(payments))
                 .route("/emails", post(emails_handler).layer(emails))
@@ -158,12 +182,30 @@ macro_rules! app_for {
             axum::Json(order): axum::Json<Order>,
         ) -> Response {
             let run = app.seen.run(&order.label);
-            sqlx::query(INSERT)
+            if let Some(statement) = &order.end_transaction {
+                let ended = sqlx::raw_sql(sqlx::AssertSqlSafe(statement.clone()))
+                    .execute(tx.connection())
+                    .await;
+                if let Err(error) = ended {
+                    // SQLite refuses a `COMMIT` that is not the inbox's own.
+                    return Response::builder()
+                        .status(500)
+                        .body(Body::from(format!("{statement} failed: {error}")))
+                        .unwrap();
+                }
+            }
+            let written = sqlx::query(INSERT)
                 .bind("payments")
                 .bind(&order.label)
                 .execute(tx.connection())
-                .await
-                .unwrap();
+                .await;
+            if let Err(error) = written {
+                // SQLite refuses a write after the handler ended the transaction itself.
+                return Response::builder()
+                    .status(500)
+                    .body(Body::from(format!("the effect failed: {error}")))
+                    .unwrap();
+            }
             if order.deallocate_first && run == 1 {
                 sqlx::query("DEALLOCATE ALL")
                     .execute(tx.connection())
@@ -195,6 +237,10 @@ macro_rules! app_for {
                     .execute(&app.pool)
                     .await
                     .unwrap();
+                if order.wait_after_effect {
+                    app.seen.effect_written.notify_one();
+                    app.seen.go.notified().await;
+                }
             }
             response
         }
@@ -350,7 +396,13 @@ impl Call {
 
 /// One backend: a fresh database, the server(s) on it, and a client.
 pub trait Backend: Sized + Send + Sync + 'static {
+    /// The database lets one transaction write at a time (SQLite).
+    const ONE_WRITER: bool;
+
     async fn fresh() -> Self;
+
+    /// Blocks every write to the inbox's tables from another session, until released.
+    async fn block_writes(&self) -> WritesBlocked;
 
     /// Starts a server of the app on this database, with its own pool and layers.
     fn serve(&self, seen: Arc<Seen>, setup: Setup) -> Server;
@@ -365,13 +417,59 @@ pub trait Backend: Sized + Send + Sync + 'static {
     async fn purge(&self) -> u64;
 }
 
+/// Writes to the inbox's tables held up by another session's lock, until [`release`]d.
+pub struct WritesBlocked {
+    release: Option<tokio::sync::oneshot::Sender<()>>,
+    done: tokio::task::JoinHandle<()>,
+}
+
+impl WritesBlocked {
+    /// Takes the lock with `statements` on a connection of `pool`, and holds it until released.
+    pub async fn take<DB: sqlx::Database>(
+        pool: &sqlx::Pool<DB>,
+        statements: &'static [&'static str],
+    ) -> Self
+    where
+        for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    {
+        let mut conn = pool.acquire().await.unwrap();
+        for statement in statements {
+            sqlx::raw_sql(sqlx::AssertSqlSafe(*statement))
+                .execute(&mut *conn)
+                .await
+                .unwrap();
+        }
+        let (release, released) = tokio::sync::oneshot::channel::<()>();
+        let done = tokio::spawn(async move {
+            let _ = released.await;
+            sqlx::raw_sql("ROLLBACK").execute(&mut *conn).await.unwrap();
+        });
+        Self {
+            release: Some(release),
+            done,
+        }
+    }
+
+    /// Ends the other session's transaction, and its lock.
+    pub async fn release(mut self) {
+        drop(self.release.take());
+        (&mut self.done).await.unwrap();
+    }
+}
+
 macro_rules! backend_for {
-    ($name:ident, $harness:ty, $app:ident, $pool_options:ty) => {
-        pub struct $name($harness);
+    ($name:ident, $harness:ty, $app:ident, $pool_options:ty, $one_writer:expr, $block:expr) => {
+        pub struct $name(pub $harness);
 
         impl Backend for $name {
+            const ONE_WRITER: bool = $one_writer;
+
             async fn fresh() -> Self {
                 Self(<$harness>::new().await)
+            }
+
+            async fn block_writes(&self) -> WritesBlocked {
+                WritesBlocked::take(&self.0.pool, $block).await
             }
 
             fn serve(&self, seen: Arc<Seen>, setup: Setup) -> Server {
@@ -410,13 +508,20 @@ backend_for!(
     Pg,
     support::postgres::PgHarness,
     pg_app,
-    sqlx::postgres::PgPoolOptions
+    sqlx::postgres::PgPoolOptions,
+    false,
+    &[
+        "BEGIN",
+        "LOCK TABLE idempotent_inbox, idempotent_inbox_calls IN EXCLUSIVE MODE"
+    ]
 );
 backend_for!(
     Lite,
     support::sqlite::SqliteHarness,
     sqlite_app,
-    sqlx::sqlite::SqlitePoolOptions
+    sqlx::sqlite::SqlitePoolOptions,
+    true,
+    &["BEGIN IMMEDIATE"]
 );
 
 /// A backend with a server on it, and the client.

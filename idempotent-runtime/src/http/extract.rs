@@ -62,6 +62,9 @@ impl<DB: HttpBackend> Slot<DB> {
 /// Do not commit or roll back on it yourself (nested transactions, `tx.connection().begin()`,
 /// are fine), and do not keep it after the handler answered: the layer commits when the response
 /// is one it stores, and rolls back otherwise (a `5xx` by default), so that a retry runs again.
+/// A handler that ends the transaction itself (a raw `COMMIT` or `ROLLBACK`, after which its
+/// writes commit on their own) gets a stored `500` (`transaction_ended`) instead of its response:
+/// its retries get that answer again and never run it a second time.
 pub struct IdempotentTx<DB: HttpBackend> {
     /// `Some` until dropped, when it goes back to the slot.
     claimed: Option<Claimed<DB>>,

@@ -9,6 +9,11 @@ use sha2::{Digest, Sha256};
 /// different request gets an error, never the other request's response.
 ///
 /// The method and the path are always covered; by default also the query string and the body.
+/// The query string counts as its `&`-separated pairs, in order, without the empty ones:
+/// `?a=1&b=2`, `?a=1&b=2&` and `?&a=1&&b=2` are the same request, `?b=2&a=1` is another (the order
+/// of a repeated name's values can matter), and so is `?a=%31` (pairs are compared as sent, not
+/// decoded). No query string and an empty one (`?`) are the same. The path and the body are
+/// compared byte for byte.
 /// Leave out what a retry may change without changing its meaning, and add headers that do change
 /// it (a `Content-Type` that decides how the body is read):
 ///
@@ -75,7 +80,7 @@ impl Fingerprint {
         field(parts.uri.path().as_bytes());
         field(&[u8::from(self.query), u8::from(self.body)]);
         if self.query {
-            field(parts.uri.query().unwrap_or("").as_bytes());
+            field(canonical_query(parts.uri.query().unwrap_or("")).as_bytes());
         }
         for name in &self.headers {
             field(name.as_str().as_bytes());
@@ -90,6 +95,16 @@ impl Fingerprint {
         }
         digest.finalize().into()
     }
+}
+
+/// The query string's non-empty pairs, in order, joined by `&`: a query string without empty
+/// pairs is itself (so fingerprints stored before this rule still match).
+fn canonical_query(query: &str) -> std::borrow::Cow<'_, str> {
+    if !query.split('&').any(str::is_empty) || query.is_empty() {
+        return query.into();
+    }
+    let pairs: Vec<&str> = query.split('&').filter(|pair| !pair.is_empty()).collect();
+    pairs.join("&").into()
 }
 
 #[cfg(test)]
@@ -114,6 +129,16 @@ mod tests {
         assert_ne!(base, f.of(&parts("PUT", "/pay?x=1", None), b"{}"));
         assert_ne!(base, f.of(&parts("POST", "/pay2?x=1", None), b"{}"));
         assert_ne!(base, f.of(&parts("POST", "/pay?x=2", None), b"{}"));
+        for same in ["/pay?x=1&", "/pay?&x=1", "/pay?x=1&&"] {
+            assert_eq!(base, f.of(&parts("POST", same, None), b"{}"), "{same}");
+        }
+        let two = f.of(&parts("POST", "/pay?x=1&y=2", None), b"{}");
+        assert_eq!(two, f.of(&parts("POST", "/pay?x=1&&y=2&", None), b"{}"));
+        assert_ne!(two, f.of(&parts("POST", "/pay?y=2&x=1", None), b"{}"));
+        assert_eq!(
+            f.of(&parts("POST", "/pay?", None), b"{}"),
+            f.of(&parts("POST", "/pay", None), b"{}")
+        );
         assert_ne!(base, f.of(&parts("POST", "/pay?x=1", None), b"{ }"));
         // The path and the body are length-prefixed: moving bytes between them changes it.
         assert_ne!(

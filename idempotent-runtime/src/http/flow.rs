@@ -4,35 +4,43 @@
 //! The handler runs in a task of its own, so that a client that goes away (its timeout, a dropped
 //! connection) does not cut the handler off half-way: the request is finished and its response
 //! stored, and the client's retry gets the replay. What the task holds (the key in flight, the
-//! claimed transaction) ends with it, whatever ends it.
+//! claimed transaction, the call's lease) ends with it, whatever ends it. The task answers the
+//! client through a channel, so that it can answer (a `503` for a response it has yet to store)
+//! and go on working.
 
 use std::convert::Infallible;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant, SystemTime};
 
 use axum_core::body::Body;
 use axum_core::extract::Request;
 use axum_core::response::{IntoResponse, Response};
+use http::header::HeaderValue;
 use http::response;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
+use tokio::sync::oneshot;
 use tracing::Instrument;
 
 use super::HttpBackend;
 use super::body::{Buffered, buffer};
 use super::extract::{RequestKey, Slot};
-use super::in_flight::Entered;
-use super::layer::{Mode, Shared};
+use super::layer::{Config, Mode, Shared};
 use super::problem::Rejection;
 use super::request_key::{read_key, scoped_key};
-use super::stored::StoredResponse;
-use crate::calls::{CallLease, CallStart};
+use super::stored::{KEY_EXPIRES, StoredResponse};
+use crate::calls::{CallLease, CallStart, Gated};
 use crate::error::{InboxError, Stage};
-use crate::inbox::{Claim, ClaimOptions, Claimed, Inbox};
+use crate::in_flight::Entered;
+use crate::inbox::{Claim, ClaimOptions, Claimed, Inbox, commit};
 use crate::key::MessageKey;
 use crate::session::Session;
 use crate::store::database_error;
 use crate::store::no_wait::Attempt;
 use crate::transaction::{BeginError, InboxTransaction};
+
+/// How long a leased route tries to store a response at least (longer if its lease is), keeping
+/// the call's lease alive meanwhile.
+const STORE_TRIES: Duration = Duration::from_secs(60);
 
 /// The name of the pending call a leased route records per request.
 const CALL_NAME: &str = "http";
@@ -49,8 +57,10 @@ where
     S::Future: Send + 'static,
     DB: HttpBackend,
 {
+    let arrived = SystemTime::now();
     let (mut parts, body) = request.into_parts();
     let config = &shared.config;
+    let reject = |rejection| reject(config, rejection);
     let key = match read_key(&parts.headers, config.max_key_len) {
         Ok(Some(key)) => key,
         Ok(None) if !config.require_key => {
@@ -73,10 +83,12 @@ where
         key = %stored_key.digest(),
         outcome = tracing::field::Empty,
     );
-    let Some(entered) = shared
-        .in_flight
-        .enter(&config.consumer, stored_key.as_bytes())
-    else {
+    let inbox = &shared.inbox;
+    let Some(entered) = inbox.in_flight.enter(
+        inbox.table().as_str(),
+        &config.consumer,
+        stored_key.as_bytes(),
+    ) else {
         span.in_scope(|| tracing::debug!("a request with this key is in flight here"));
         return Ok(reject(Rejection::InFlight {
             retry_after: config.retry_after,
@@ -100,15 +112,20 @@ where
         stored: stored_key.clone(),
     });
     let request = Request::from_parts(parts, Body::from(body));
+    let expires = arrived.checked_add(config.retention).and_then(http_date);
+    let (answer, answered) = oneshot::channel();
     let run = Run {
         shared: shared.clone(),
         key: stored_key,
         fingerprint,
+        expires,
+        answer: Some(answer),
         _entered: entered,
     };
-    let task = tokio::spawn(run.run(inner, request).instrument(span));
-    match task.await {
+    tokio::spawn(run.run(inner, request).instrument(span));
+    match answered.await {
         Ok(response) => Ok(response),
+        // The task ended without an answer: it panicked, or the runtime is shutting down.
         Err(_) => Ok(reject(Rejection::HandlerLost)),
     }
 }
@@ -118,6 +135,10 @@ struct Run<DB: HttpBackend> {
     shared: Arc<Shared<DB>>,
     key: MessageKey,
     fingerprint: [u8; 32],
+    /// The `Idempotency-Key-Expires` of the responses it stores.
+    expires: Option<HeaderValue>,
+    /// Where the client's answer goes, until it is sent.
+    answer: Option<oneshot::Sender<Response>>,
     /// The key stays in flight until the run ends.
     _entered: Entered,
 }
@@ -131,7 +152,7 @@ enum Outcome {
 }
 
 impl<DB: HttpBackend> Run<DB> {
-    async fn run<S>(self, inner: S, request: Request) -> Response
+    async fn run<S>(mut self, inner: S, request: Request)
     where
         S: tower::Service<Request, Error = Infallible> + Send + 'static,
         S::Response: IntoResponse,
@@ -143,7 +164,7 @@ impl<DB: HttpBackend> Run<DB> {
         };
         let (outcome, response) = match ended {
             Ok(ended) => ended,
-            Err(rejection) => (Outcome::Refused, reject(rejection)),
+            Err(rejection) => (Outcome::Refused, reject(&self.shared.config, rejection)),
         };
         let outcome = match outcome {
             Outcome::Processed => "processed",
@@ -152,8 +173,16 @@ impl<DB: HttpBackend> Run<DB> {
             Outcome::Refused => "refused",
         };
         tracing::Span::current().record("outcome", outcome);
-        tracing::debug!(status = %response.status(), outcome, "answered");
-        response
+        tracing::debug!(status = %response.status(), outcome, "ended");
+        self.answer(response);
+    }
+
+    /// Sends the client its answer, unless it was sent before.
+    fn answer(&mut self, response: Response) {
+        if let Some(answer) = self.answer.take() {
+            // A client that went away takes no answer.
+            let _ = answer.send(response);
+        }
     }
 
     fn inbox(&self) -> &Inbox<DB> {
@@ -167,7 +196,7 @@ impl<DB: HttpBackend> Run<DB> {
     /// A transactional route: claim without waiting, run the handler on the claimed transaction,
     /// and commit its effect with the stored response.
     async fn in_transaction<S>(
-        &self,
+        &mut self,
         mut inner: S,
         request: Request,
     ) -> Result<(Outcome, Response), Rejection>
@@ -188,6 +217,12 @@ impl<DB: HttpBackend> Run<DB> {
                 return Err(Rejection::InFlight {
                     retry_after: self.shared.config.retry_after,
                 });
+            }
+            Ok(Attempt::CallPending(left)) => {
+                // A leased route's request holds the key: the key inserted here rolls back.
+                let _ = tx.rollback().await;
+                tracing::debug!(retry_after = ?left, "a leased request holds the key");
+                return Err(Rejection::InFlight { retry_after: left });
             }
             Ok(Attempt::Committed) => {
                 let session = tx
@@ -224,24 +259,139 @@ impl<DB: HttpBackend> Run<DB> {
             // Rolled back when the handler's task drops it.
             return Err(Rejection::TransactionKept);
         };
-        let (head, body) = response.into_parts();
+        let (mut head, body) = response.into_parts();
         if !(self.shared.config.store_when)(head.status) {
+            if self.claim_rolled_back(&mut claimed).await {
+                // What the handler wrote after its `ROLLBACK` committed on its own: running it
+                // again would write it again.
+                claimed.rollback().await;
+                return Ok(self.transaction_ended(false, &[]).await);
+            }
             claimed.rollback().await;
             return Ok((Outcome::NotStored, Response::from_parts(head, body)));
         }
-        let (stored, body) = match self.read_body(&head, body).await {
+        let (stored, body) = match self.read_body(&mut head, body).await {
             Ok(read) => read,
             Err(rejection) => {
                 claimed.rollback().await;
                 return Err(rejection);
             }
         };
-        if let Err(error) = claimed.store_response(&stored.encode()).await {
+        let stored = stored.encode();
+        if let Err(error) = claimed.store_response(&stored).await {
             claimed.rollback().await;
             return Err(Rejection::Inbox(error));
         }
-        claimed.commit().await.map_err(Rejection::Inbox)?;
-        Ok((Outcome::Processed, Response::from_parts(head, body)))
+        match claimed.commit().await {
+            Ok(()) => Ok((Outcome::Processed, Response::from_parts(head, body))),
+            Err(InboxError::TransactionEnded { key_committed, .. }) => {
+                Ok(self.transaction_ended(key_committed, &stored).await)
+            }
+            Err(error) => Err(Rejection::Inbox(error)),
+        }
+    }
+
+    /// Whether the handler rolled back the claimed transaction itself (a raw `ROLLBACK`), on a
+    /// database where its later writes then commit on their own (PostgreSQL): the claimed key is
+    /// gone from what the connection sees. (A read that fails says nothing: a statement failed in
+    /// the transaction, which is still the claim's.)
+    async fn claim_rolled_back(&self, claimed: &mut Claimed<DB>) -> bool {
+        if DB::REFUSES_LATER_WRITES {
+            return false;
+        }
+        let statements = &self.inbox().config.statements;
+        let row = DB::stored(
+            claimed.connection(),
+            statements,
+            self.consumer(),
+            self.key.as_bytes(),
+        )
+        .await;
+        matches!(row, Ok(None))
+    }
+
+    /// The answer to a request whose handler ended the claimed transaction itself: a `500`
+    /// problem, stored for the key (on a new row, or on the row the handler committed, unless
+    /// another request stored its response there), so that no retry runs the handler again.
+    /// `tried` is the response this request tried to store (which may have been written, outside
+    /// the transaction, on the row the handler committed).
+    async fn transaction_ended(
+        &mut self,
+        key_committed: bool,
+        tried: &[u8],
+    ) -> (Outcome, Response) {
+        tracing::error!(
+            key_committed,
+            "the handler ended the claimed transaction itself; its answer is stored as a 500"
+        );
+        let (mut head, body) =
+            reject(&self.shared.config, Rejection::TransactionEnded).into_parts();
+        let (stored, body) = match self.read_body(&mut head, body).await {
+            Ok(read) => read,
+            Err(rejection) => return (Outcome::Refused, reject(&self.shared.config, rejection)),
+        };
+        match self.store_ended(&stored.encode(), tried).await {
+            Ok(true) => (Outcome::Processed, Response::from_parts(head, body)),
+            Ok(false) => {
+                tracing::warn!("another request's response is stored for the key: not replaced");
+                head.headers.remove(KEY_EXPIRES);
+                (Outcome::NotStored, Response::from_parts(head, body))
+            }
+            Err(rejection) => {
+                tracing::warn!(error = %rejection, "the answer could not be stored");
+                head.headers.remove(KEY_EXPIRES);
+                (Outcome::NotStored, Response::from_parts(head, body))
+            }
+        }
+    }
+
+    /// Stores `answer` for the key, in a transaction of its own that claims the key without
+    /// waiting: as a new row, or on the row there if it has no response or has `tried`. `false`
+    /// when another request holds the key or stored its response.
+    async fn store_ended(&self, answer: &[u8], tried: &[u8]) -> Result<bool, Rejection> {
+        let (mut tx, attempt) = self.try_claim().await?;
+        match attempt {
+            Ok(Attempt::Claimed) => {
+                let mut claimed = Claimed::new(tx, self.consumer(), self.key.clone(), self.inbox());
+                claimed
+                    .store_response(answer)
+                    .await
+                    .map_err(Rejection::Inbox)?;
+                claimed.commit().await.map_err(Rejection::Inbox)?;
+                Ok(true)
+            }
+            Ok(Attempt::Committed) => {
+                let statements = &self.inbox().config.statements;
+                let filled = DB::fill_response(
+                    tx.connection(),
+                    statements,
+                    self.consumer(),
+                    self.key.as_bytes(),
+                    answer,
+                    tried,
+                )
+                .await;
+                let filled = match filled {
+                    Ok(filled) => filled,
+                    Err(error) => {
+                        let _ = tx.rollback().await;
+                        return Err(Rejection::Inbox(database_error(Stage::StoreResponse)(
+                            error,
+                        )));
+                    }
+                };
+                commit(tx, None).await.map_err(Rejection::Inbox)?;
+                Ok(filled)
+            }
+            Ok(Attempt::InFlight | Attempt::CallPending(_)) => {
+                let _ = tx.rollback().await;
+                Ok(false)
+            }
+            Err(error) => {
+                let _ = tx.rollback().await;
+                Err(Rejection::Inbox(database_error(Stage::Claim)(error)))
+            }
+        }
     }
 
     /// Begins a transaction and claims the key in it without waiting. A connection whose prepared
@@ -267,6 +417,7 @@ impl<DB: HttpBackend> Run<DB> {
                 self.consumer(),
                 self.key.as_bytes(),
                 &self.fingerprint,
+                CALL_NAME,
             )
             .await;
             match claimed {
@@ -286,7 +437,7 @@ impl<DB: HttpBackend> Run<DB> {
     /// A leased route: record the pending call, run the handler, store its response in the inbox
     /// and end the call, in one transaction.
     async fn under_lease<S>(
-        &self,
+        &mut self,
         mut inner: S,
         request: Request,
         lease: Duration,
@@ -298,14 +449,46 @@ impl<DB: HttpBackend> Run<DB> {
         if let Some(replay) = self.replay(None).await? {
             return Ok((Outcome::Replayed, replay));
         }
-        let started = self
-            .inbox()
-            .begin_call::<serde::de::IgnoredAny>(self.consumer(), &self.key, CALL_NAME, lease)
+        let shared = self.shared.clone();
+        let inbox = &shared.inbox;
+        // A request of another instance holds the key (or is storing its response): refused
+        // with a read, without waiting for the database's writers.
+        let left = inbox
+            .call_lease_left(self.consumer(), &self.key, CALL_NAME)
+            .await
+            .map_err(Rejection::Inbox)?;
+        if let Some(retry_after) = left {
+            inbox
+                .metrics
+                .call(self.consumer(), crate::metrics::CallOutcome::InProgress);
+            return Err(Rejection::InFlight { retry_after });
+        }
+        // On PostgreSQL the call is recorded under the key's advisory lock, which a transactional
+        // route's claim of the key holds until it ends: neither runs while the other is in flight.
+        let gate = DB::call_gate(
+            &inbox.config.statements,
+            self.consumer(),
+            self.key.as_bytes(),
+        );
+        let started = inbox
+            .begin_call_gated::<serde::de::IgnoredAny>(
+                self.consumer(),
+                &self.key,
+                CALL_NAME,
+                lease,
+                gate,
+            )
             .await;
-        let lease = match started {
-            Ok(CallStart::Run(lease)) => lease,
+        let held = match started {
+            Ok(Gated::Passed(CallStart::Run(held))) => held,
+            Ok(Gated::Shut) => {
+                tracing::debug!("a transactional request holds the key");
+                return Err(Rejection::InFlight {
+                    retry_after: shared.config.retry_after,
+                });
+            }
             // Completed records are this layer's inbox rows, not its calls: someone else's.
-            Ok(CallStart::Completed(_)) => {
+            Ok(Gated::Passed(CallStart::Completed(_))) => {
                 return match self.replay(None).await? {
                     Some(replay) => Ok((Outcome::Replayed, replay)),
                     None => Err(Rejection::InFlight { retry_after: lease }),
@@ -323,37 +506,109 @@ impl<DB: HttpBackend> Run<DB> {
         // The first read found nothing, but the request it missed may have completed since: its
         // completion stores the response and deletes its pending call in one transaction, which
         // is how this call could be recorded anew. Read again before running the handler.
-        if let Some(replay) = self.replay(None).await? {
-            self.release(lease).await;
-            return Ok((Outcome::Replayed, replay));
+        match self.replay(None).await {
+            Ok(None) => {}
+            Ok(Some(replay)) => {
+                self.release(held).await;
+                return Ok((Outcome::Replayed, replay));
+            }
+            Err(rejection) => {
+                self.release(held).await;
+                return Err(rejection);
+            }
         }
-        tracing::debug!(fence = lease.fence(), "call pending");
+        tracing::debug!(fence = held.fence(), "call pending");
         let response = match inner.call(request).await {
             Ok(response) => response.into_response(),
             Err(never) => match never {},
         };
-        let (head, body) = response.into_parts();
-        if !(self.shared.config.store_when)(head.status) {
-            self.release(lease).await;
+        let (mut head, body) = response.into_parts();
+        if !(shared.config.store_when)(head.status) {
+            self.release(held).await;
             return Ok((Outcome::NotStored, Response::from_parts(head, body)));
         }
-        let (stored, body) = match self.read_body(&head, body).await {
+        let (stored, body) = match self.read_body(&mut head, body).await {
             Ok(read) => read,
             Err(rejection) => {
-                self.release(lease).await;
+                self.release(held).await;
                 return Err(rejection);
             }
         };
-        // The handler's effect happened: whatever becomes of the record, the client gets its
-        // response.
-        if let Err(error) = self.complete(&stored, lease).await {
-            tracing::warn!(
-                %error,
-                "the response could not be stored; the key stays pending until its lease runs out"
-            );
-            return Ok((Outcome::NotStored, Response::from_parts(head, body)));
+        self.store_under_lease(&stored, held, lease, Response::from_parts(head, body))
+            .await
+    }
+
+    /// Stores a leased route's response, trying again while the database refuses it for now,
+    /// and answers `response` only once it is stored. The client waits for the route's
+    /// `store_patience`, then gets `503` while the tries go on, each after extending the call's
+    /// lease, for a lease or [`STORE_TRIES`], whichever is longer: no retry runs the handler while
+    /// its response is being
+    /// stored (retries here find the key in flight, elsewhere its lease).
+    async fn store_under_lease(
+        &mut self,
+        stored: &StoredResponse,
+        held: CallLease,
+        lease: Duration,
+        response: Response,
+    ) -> Result<(Outcome, Response), Rejection> {
+        let patience = self.shared.config.store_patience;
+        let began = Instant::now();
+        let mut response = Some(response);
+        let mut pause = Duration::from_millis(50);
+        loop {
+            let tried = tokio::time::timeout(patience, self.complete(stored, held.clone())).await;
+            match tried {
+                Ok(Ok(())) => {
+                    // If the client was answered 503 before, its retry gets the replay.
+                    let response = response.unwrap_or_else(|| Response::new(Body::empty()));
+                    return Ok((Outcome::Processed, response));
+                }
+                Ok(Err(error)) if !error.is_retryable() => {
+                    tracing::error!(
+                        %error,
+                        "the response cannot be stored; the key stays pending until its lease runs out"
+                    );
+                    return Err(Rejection::Inbox(error));
+                }
+                Ok(Err(error)) => tracing::warn!(%error, "the response could not be stored yet"),
+                Err(_) => tracing::warn!(?patience, "storing the response took too long"),
+            }
+            if response.is_some() && began.elapsed() >= patience {
+                // The handler's response goes nowhere: the client gets it from the replay.
+                response = None;
+                let pending = Rejection::StorePending {
+                    retry_after: Duration::from_secs(1),
+                };
+                let pending = reject(&self.shared.config, pending);
+                self.answer(pending);
+            }
+            if began.elapsed() >= lease.max(STORE_TRIES) {
+                tracing::error!(
+                    "the response could not be stored in time; the key stays pending until its \
+                     lease runs out, and a retry after that runs the handler again"
+                );
+                return Err(Rejection::StorePending {
+                    retry_after: Duration::from_secs(1),
+                });
+            }
+            let extended = tokio::time::timeout(patience, self.inbox().extend_call(&held, lease));
+            match extended.await {
+                Ok(Ok(true)) => {}
+                Ok(Ok(false)) => {
+                    tracing::error!(
+                        "the call's lease ran out and another attempt holds it; this response is \
+                         not stored"
+                    );
+                    return Err(Rejection::StorePending {
+                        retry_after: Duration::from_secs(1),
+                    });
+                }
+                Ok(Err(error)) => tracing::warn!(%error, "the call's lease could not be extended"),
+                Err(_) => tracing::warn!("extending the call's lease took too long"),
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_secs(1));
         }
-        Ok((Outcome::Processed, Response::from_parts(head, body)))
     }
 
     /// Stores a leased route's response with the key and deletes the pending call, in one
@@ -400,10 +655,11 @@ impl<DB: HttpBackend> Run<DB> {
         }
     }
 
-    /// Reads the body as far as the route stores it: what is stored, and the body to send.
+    /// Reads the body as far as the route stores it: what is stored, and the body to send. Marks
+    /// the head (and what is stored of it) with the key's expiry.
     async fn read_body(
         &self,
-        head: &response::Parts,
+        head: &mut response::Parts,
         body: Body,
     ) -> Result<(StoredResponse, Body), Rejection> {
         let config = &self.shared.config;
@@ -418,7 +674,12 @@ impl<DB: HttpBackend> Run<DB> {
             }
             Buffered::Failed(error) => return Err(Rejection::ResponseBody(error)),
         };
-        let stored = StoredResponse::new(head, &config.stored_headers, stored_body);
+        let mut stored = StoredResponse::new(head, &config.stored_headers, stored_body);
+        if let Some(expires) = &self.expires {
+            head.headers.insert(KEY_EXPIRES, expires.clone());
+            stored.headers.retain(|(name, _)| name != KEY_EXPIRES);
+            stored.headers.push((KEY_EXPIRES, expires.clone()));
+        }
         Ok((stored, body))
     }
 
@@ -461,8 +722,19 @@ impl<DB: HttpBackend> Run<DB> {
     }
 }
 
+/// `at` as an HTTP-date header value; `None` outside what the format holds (before 1970, after
+/// 9999: a retention of centuries).
+fn http_date(at: SystemTime) -> Option<HeaderValue> {
+    const YEAR_10000: Duration = Duration::from_secs(253_402_300_800);
+    let since_epoch = at.duration_since(SystemTime::UNIX_EPOCH).ok()?;
+    if since_epoch >= YEAR_10000 {
+        return None;
+    }
+    HeaderValue::from_str(&httpdate::fmt_http_date(at)).ok()
+}
+
 /// The layer's own answer, logged when the server is at fault.
-fn reject(rejection: Rejection) -> Response {
+fn reject(config: &Config, rejection: Rejection) -> Response {
     if rejection.status().is_server_error() {
         let mut causes = String::new();
         let mut source = std::error::Error::source(&rejection);
@@ -473,5 +745,20 @@ fn reject(rejection: Rejection) -> Response {
         }
         tracing::warn!(status = %rejection.status(), "{rejection}{causes}");
     }
-    rejection.into_response()
+    rejection.into_problem(config.documentation.as_ref())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn expiry_dates_out_of_the_format_are_left_out_not_a_panic() {
+        let day = SystemTime::UNIX_EPOCH + Duration::from_secs(86_400);
+        assert_eq!(http_date(day).unwrap(), "Fri, 02 Jan 1970 00:00:00 GMT");
+        let far = SystemTime::UNIX_EPOCH + Duration::from_secs(253_402_300_800);
+        assert!(http_date(far).is_none());
+        let huge = SystemTime::now().checked_add(Duration::from_secs(u64::MAX / 4));
+        assert!(huge.and_then(http_date).is_none());
+    }
 }

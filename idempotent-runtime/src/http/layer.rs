@@ -17,7 +17,7 @@ use http::request::Parts;
 use super::HttpBackend;
 use super::fingerprint::Fingerprint;
 use super::flow;
-use super::in_flight::InFlight;
+use super::problem::Documentation;
 use super::request_key::DEFAULT_MAX_KEY_LEN;
 use super::stored::{DEFAULT_STORED_HEADERS, stored_by_default};
 use crate::calls::MAX_CALL_LEASE;
@@ -54,6 +54,8 @@ pub(crate) struct Config {
     pub(crate) stored_headers: Vec<HeaderName>,
     pub(crate) retry_after: Duration,
     pub(crate) retention: Duration,
+    pub(crate) store_patience: Duration,
+    pub(crate) documentation: Option<Documentation>,
 }
 
 /// What every clone of a layer and of its services shares.
@@ -63,7 +65,6 @@ pub(crate) struct Shared<DB: HttpBackend> {
     /// The inbox with the layer's retention for its consumer.
     pub(crate) inbox: Inbox<DB>,
     pub(crate) config: Config,
-    pub(crate) in_flight: Arc<InFlight>,
 }
 
 impl<DB: HttpBackend> Clone for Shared<DB> {
@@ -72,7 +73,6 @@ impl<DB: HttpBackend> Clone for Shared<DB> {
             base: self.base.clone(),
             inbox: self.inbox.clone(),
             config: self.config.clone(),
-            in_flight: self.in_flight.clone(),
         }
     }
 }
@@ -98,9 +98,12 @@ impl<DB: HttpBackend> Clone for IdempotencyLayer<DB> {
 /// The consumer name of a layer's inbox rows unless configured otherwise.
 pub const DEFAULT_CONSUMER: &str = "http";
 
-/// How long stored responses are kept unless configured otherwise: 24 hours, as Stripe keeps
-/// its keys.
+/// How long stored responses are kept unless configured otherwise: 24 hours.
 pub const DEFAULT_RETENTION: Duration = Duration::from_secs(24 * 60 * 60);
+
+/// How long a leased route's client waits for its response to be stored unless configured
+/// otherwise: 5 seconds (see [`IdempotencyLayer::store_patience`]).
+pub const DEFAULT_STORE_PATIENCE: Duration = Duration::from_secs(5);
 
 /// The most of a request body read (to fingerprint it) unless configured otherwise: 2 MiB,
 /// axum's own default body limit.
@@ -165,6 +168,8 @@ impl<DB: HttpBackend> IdempotencyLayer<DB> {
             stored_headers: DEFAULT_STORED_HEADERS.to_vec(),
             retry_after: Duration::from_secs(1),
             retention: DEFAULT_RETENTION,
+            store_patience: DEFAULT_STORE_PATIENCE,
+            documentation: None,
         };
         Self {
             shared: Arc::new(Shared {
@@ -173,7 +178,6 @@ impl<DB: HttpBackend> IdempotencyLayer<DB> {
                     .with_consumer_retention(&config.consumer, config.retention),
                 base: inbox,
                 config,
-                in_flight: Arc::default(),
             }),
         }
     }
@@ -259,6 +263,24 @@ impl<DB: HttpBackend> IdempotencyLayer<DB> {
         self.configure(|config| config.retention = retention)
     }
 
+    /// How long a leased route's client waits for its response to be stored when the database
+    /// cannot store it for now (a lock held elsewhere, a connection lost): 5 seconds by default.
+    /// After that the client gets `503` with `Retry-After` (`idempotency_store_pending`) instead
+    /// of the handler's response, and the layer goes on storing it, keeping the call's lease
+    /// alive, for a minute or one lease, whichever is longer; meanwhile retries get `409`, then the replay. (Each
+    /// attempt to store is cut off after this long too.)
+    pub fn store_patience(self, patience: Duration) -> Self {
+        self.configure(|config| config.store_patience = patience.max(Duration::from_millis(1)))
+    }
+
+    /// Names the documentation of the route's idempotency keys, as the IETF draft asks: the
+    /// layer's problems about the key (`400` for a missing or unusable key, `409` for a key in
+    /// use, `422` for a reused key) then have it as their `type` and in a
+    /// `Link: <uri>; rel="describedby"` header. Without it their `type` is `about:blank`.
+    pub fn documentation(self, uri: http::Uri) -> Self {
+        self.configure(|config| config.documentation = Some(Documentation::new(&uri)))
+    }
+
     /// The inbox the layer stores responses in: the one it was made with, keeping the layer's
     /// rows for its [`retention`](Self::retention). Spawn the purger from this one
     /// (`layer.inbox().spawn_purger(…)`), or give yours the same retention for the layer's
@@ -282,6 +304,8 @@ impl<DB: HttpBackend> fmt::Debug for IdempotencyLayer<DB> {
             .field("stored_headers", &config.stored_headers)
             .field("retry_after", &config.retry_after)
             .field("retention", &config.retention)
+            .field("store_patience", &config.store_patience)
+            .field("documentation", &config.documentation)
             .finish_non_exhaustive()
     }
 }

@@ -60,6 +60,23 @@ pub enum Rejection {
     /// The handler's response body failed before it could be stored; nothing was stored: `500`.
     #[error("the response failed before it could be stored")]
     ResponseBody(#[source] axum_core::Error),
+    /// The handler ended the claimed transaction itself (a raw `COMMIT` or `ROLLBACK` on its
+    /// connection), so that what it wrote afterwards committed on its own, outside the layer's
+    /// hands: `500`. This answer is stored for the key like a response, so that a retry gets it
+    /// again and never runs the handler a second time; a person must look at what was committed.
+    #[error(
+        "the handler ended its transaction itself; what it wrote may be committed in part, and \
+         the request will not run again"
+    )]
+    TransactionEnded,
+    /// The handler ran under a lease, but its response could not be stored in time (the database
+    /// refuses writes for now): `503` with `Retry-After`. The layer goes on storing it; retries
+    /// get `409` until then, and the stored response after. The handler does not run again.
+    #[error("the request was handled, but its response is not stored yet; retry to get it")]
+    StorePending {
+        /// When to try again.
+        retry_after: Duration,
+    },
     /// A handler asked for the claimed transaction ([`IdempotentTx`](super::IdempotentTx)) where
     /// there is none: `500`, a mistake in the server's code.
     #[error("no claimed transaction for this handler: {0}")]
@@ -92,7 +109,9 @@ impl Rejection {
             Rejection::InFlight { .. } => StatusCode::CONFLICT,
             Rejection::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
             Rejection::Inbox(error) if error.is_retryable() => StatusCode::SERVICE_UNAVAILABLE,
-            Rejection::Inbox(_)
+            Rejection::StorePending { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            Rejection::TransactionEnded
+            | Rejection::Inbox(_)
             | Rejection::Stored(_)
             | Rejection::ResponseBody(_)
             | Rejection::NoTransaction(_)
@@ -113,6 +132,8 @@ impl Rejection {
             Rejection::InFlight { .. } => "idempotency_key_in_use",
             Rejection::KeyReused => "idempotency_key_reused",
             Rejection::Inbox(_) => "idempotency_store_failed",
+            Rejection::TransactionEnded => "transaction_ended",
+            Rejection::StorePending { .. } => "idempotency_store_pending",
             Rejection::Stored(_) => "idempotency_stored_response_unreadable",
             Rejection::ResponseBody(_) => "response_body_failed",
             Rejection::NoTransaction(_) => "idempotency_transaction_unavailable",
@@ -125,7 +146,9 @@ impl Rejection {
     /// How long to wait before a retry, for the answers that say one may succeed.
     fn retry_after(&self) -> Option<Duration> {
         match self {
-            Rejection::InFlight { retry_after } => Some(*retry_after),
+            Rejection::InFlight { retry_after } | Rejection::StorePending { retry_after } => {
+                Some(*retry_after)
+            }
             Rejection::Inbox(_) if self.status() == StatusCode::SERVICE_UNAVAILABLE => {
                 Some(Duration::from_secs(1))
             }
@@ -155,11 +178,25 @@ pub(crate) fn retry_after_seconds(after: Duration) -> HeaderValue {
     HeaderValue::from(seconds.max(1))
 }
 
-impl IntoResponse for Rejection {
-    fn into_response(self) -> Response {
+impl Rejection {
+    /// Whether the problem is about the request's key, which the route's documentation explains:
+    /// a missing or unusable key, a key in use, a reused key.
+    fn about_the_key(&self) -> bool {
+        matches!(
+            self,
+            Rejection::MissingKey
+                | Rejection::InvalidKey(_)
+                | Rejection::InFlight { .. }
+                | Rejection::KeyReused
+        )
+    }
+
+    /// The problem response, linking to `documentation` when it is about the key.
+    pub(crate) fn into_problem(self, documentation: Option<&Documentation>) -> Response {
+        let documentation = documentation.filter(|_| self.about_the_key());
         let status = self.status();
         let body = serde_json::json!({
-            "type": "about:blank",
+            "type": documentation.map_or("about:blank", |docs| &*docs.uri),
             "title": status.canonical_reason().unwrap_or("Error"),
             "status": status.as_u16(),
             "detail": self.detail(),
@@ -175,13 +212,68 @@ impl IntoResponse for Rejection {
         if let Some(after) = self.retry_after() {
             headers.insert(header::RETRY_AFTER, retry_after_seconds(after));
         }
+        if let Some(docs) = documentation {
+            headers.insert(header::LINK, docs.link.clone());
+        }
         response
+    }
+}
+
+impl IntoResponse for Rejection {
+    fn into_response(self) -> Response {
+        self.into_problem(None)
+    }
+}
+
+/// Where the documentation of a route's keys is: the problems' `type`, and their `Link` header.
+#[derive(Debug, Clone)]
+pub(crate) struct Documentation {
+    uri: std::sync::Arc<str>,
+    link: HeaderValue,
+}
+
+impl Documentation {
+    pub(crate) fn new(uri: &http::Uri) -> Self {
+        let uri = uri.to_string();
+        // A `Uri` is visible ASCII without angle brackets: a valid header value.
+        let link = HeaderValue::try_from(format!("<{uri}>; rel=\"describedby\""))
+            .unwrap_or_else(|_| HeaderValue::from_static(""));
+        Self {
+            uri: uri.into(),
+            link,
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_ended_transaction_is_a_500_and_a_pending_store_a_503_to_retry() {
+        let ended = Rejection::TransactionEnded.into_response();
+        assert_eq!(ended.status(), StatusCode::INTERNAL_SERVER_ERROR);
+        assert!(ended.headers().get(header::RETRY_AFTER).is_none());
+        let pending = Rejection::StorePending {
+            retry_after: Duration::from_secs(2),
+        };
+        assert_eq!(pending.code(), "idempotency_store_pending");
+        let pending = pending.into_response();
+        assert_eq!(pending.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(pending.headers()[header::RETRY_AFTER], "2");
+    }
+
+    #[test]
+    fn only_problems_about_the_key_link_to_the_documentation() {
+        let docs = Documentation::new(&"https://example.com/keys".parse().unwrap());
+        let reused = Rejection::KeyReused.into_problem(Some(&docs));
+        assert_eq!(
+            reused.headers()[header::LINK],
+            "<https://example.com/keys>; rel=\"describedby\""
+        );
+        let failed = Rejection::HandlerLost.into_problem(Some(&docs));
+        assert!(failed.headers().get(header::LINK).is_none());
+    }
 
     #[test]
     fn retry_after_rounds_up_to_whole_seconds() {

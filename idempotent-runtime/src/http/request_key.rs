@@ -39,6 +39,10 @@ pub enum KeyRejection {
         /// Where, counting from 0 (in the key, after unquoting).
         position: usize,
     },
+    /// The key is not quoted and holds a comma: a list of keys, as a proxy makes of repeated
+    /// headers by joining them (`Idempotency-Key: a, b`). In quotes, a comma is part of the key.
+    #[error("the Idempotency-Key holds a comma outside quotes: it is a list of keys, not one")]
+    List,
     /// The key starts with a quote (a structured-field string, as the IETF draft writes it) that
     /// is not closed, or holds an escape other than `\"` and `\\`.
     #[error("the Idempotency-Key is a quoted string that is not closed or has an invalid escape")]
@@ -47,7 +51,8 @@ pub enum KeyRejection {
 
 /// The key of a request: `None` without the header. A value in quotes (the IETF draft's
 /// structured-field string, `Idempotency-Key: "8e03978e…"`) is unquoted; a bare one (Stripe's
-/// style) is taken as it is. Either way the key is 1 to `max_len` visible ASCII characters.
+/// style) is taken as it is, unless it holds a comma (two headers joined into one). Either way the
+/// key is 1 to `max_len` visible ASCII characters.
 pub(crate) fn read_key(
     headers: &HeaderMap,
     max_len: usize,
@@ -79,6 +84,9 @@ pub(crate) fn read_key(
 /// The bytes of a structured-field string's content, or `raw` itself when it is not quoted.
 fn unquote(raw: &[u8]) -> Result<Vec<u8>, KeyRejection> {
     let Some(quoted) = raw.strip_prefix(b"\"") else {
+        if raw.contains(&b',') {
+            return Err(KeyRejection::List);
+        }
         return Ok(raw.to_vec());
     };
     let inner = quoted.strip_suffix(b"\"").ok_or(KeyRejection::Quoting)?;
@@ -127,11 +135,16 @@ mod tests {
         assert_eq!(read(&[b"abc-123"]), Ok(Some("abc-123".into())));
         assert_eq!(read(&[b"\"abc-123\""]), Ok(Some("abc-123".into())));
         assert_eq!(read(&[br#""a\"b\\c""#]), Ok(Some(r#"a"b\c"#.into())));
+        assert_eq!(read(&[b"\"a,b\""]), Ok(Some("a,b".into())));
     }
 
     #[test]
     fn bad_keys_are_refused_with_their_reason() {
         assert_eq!(read(&[b"a", b"b"]), Err(KeyRejection::Repeated));
+        for list in [&b"a,b"[..], b"a, b", b"a,", b",", b"\"a\", \"b\""] {
+            assert!(read(&[list]).is_err(), "{list:?}");
+        }
+        assert_eq!(read(&[b"a,b"]), Err(KeyRejection::List));
         assert_eq!(read(&[b""]), Err(KeyRejection::Empty));
         assert_eq!(read(&[b"\"\""]), Err(KeyRejection::Empty));
         assert_eq!(

@@ -26,6 +26,15 @@ pub const REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
 /// route stores): `Idempotent-Body-Omitted: true`, with an empty body.
 pub const BODY_OMITTED: HeaderName = HeaderName::from_static("idempotent-body-omitted");
 
+/// The response header that says until when the key of a stored response is kept:
+/// `Idempotency-Key-Expires: <HTTP-date>`, the time the request came in plus the layer's
+/// [`retention`](super::IdempotencyLayer::retention), by the server's clock. On every response
+/// whose answer is stored, and on its replays (stored with it, so the same date each time); until
+/// then a retry with the key gets the replay, after it the key may be forgotten (by the purge) and
+/// a request with it runs again. Not on the layer's refusals (`409`, `422`, …) and not on
+/// responses that are not stored.
+pub const KEY_EXPIRES: HeaderName = HeaderName::from_static("idempotency-key-expires");
+
 /// The response headers stored and replayed unless configured otherwise: those that describe the
 /// body or point to what the request made. Not stored: `Set-Cookie` (a session belongs to the
 /// first exchange, not to its replays), `Date`, `Server`, the hop-by-hop and length headers, and
@@ -45,11 +54,15 @@ pub const DEFAULT_STORED_HEADERS: [HeaderName; 12] = [
     header::VARY,
 ];
 
-/// Whether a response with this status is stored (and replayed) unless configured otherwise:
-/// successes, redirects and client errors are, as Stripe does: a retry of a request that failed
-/// validation gets the same `400`. Not stored, so that a retry runs the handler again: server
-/// errors (`5xx`: the server may do better next time), `408 Request Timeout`, `429 Too Many
-/// Requests` (they say nothing about the request itself) and informational statuses.
+/// Whether a response with this status is stored (and replayed) unless configured otherwise.
+/// This crate's policy: successes, redirects and client errors are stored, so that a retry of a
+/// request that the handler refused (a validation failure, a `404`) gets the same answer. Not
+/// stored, so that a retry runs the handler again: server errors (`5xx`: the server may do better
+/// next time, and on a transactional route nothing of the failed attempt was committed), `408
+/// Request Timeout`, `429 Too Many Requests` (they say nothing about the request itself) and
+/// informational statuses. (Other APIs choose otherwise: Stripe, for one, stores whatever the
+/// first request got, `500`s included.) The layer's own refusals (`400`, `409`, `422`, …) are
+/// never stored: the handler did not run.
 pub fn stored_by_default(status: StatusCode) -> bool {
     !(status.is_server_error()
         || status.is_informational()

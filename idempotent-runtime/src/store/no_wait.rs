@@ -16,12 +16,23 @@
 //!   `BEGIN IMMEDIATE`, for whichever writer holds the lock; the HTTP layer keeps twins of its own
 //!   process from getting there (see [`http`](crate::http)).
 //!
+//! A transactional route and a leased route may share a consumer, and so a key: each kind must see
+//! the other's claim in flight. The claim above, once it inserted the key, looks for a pending call
+//! of the key with a live lease (a leased route's request in flight) in a statement of its own
+//! (whose snapshot is taken after the lock was), and answers in flight when it finds one.
+//! A leased route records its call ([`call_gate`](sealed::ClaimWithoutWaiting::call_gate)) in a
+//! transaction that first takes the same advisory lock on PostgreSQL, without waiting: a call is
+//! never recorded while a transactional claim of its key is uncommitted, and a transactional
+//! claim that takes the lock after a call was recorded sees the call. On SQLite both are writes,
+//! which the database runs one at a time.
+//!
 //! MySQL has no claim here yet (InnoDB waits at least a second on a row lock, and `GET_LOCK` is
 //! held by the session, not the transaction).
 
 use std::future::Future;
 
-use super::{Backend, Statements};
+use super::{Backend, CallId, Statements};
+use crate::calls::CallGate;
 
 /// What a claim that does not wait found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -32,6 +43,19 @@ pub enum Attempt {
     Committed,
     /// Another transaction is claiming the key and has not ended.
     InFlight,
+    /// The key was free, but a leased route's request holds it: its pending call has this much
+    /// of its lease left. (The open transaction inserted the key: roll it back.)
+    CallPending(std::time::Duration),
+}
+
+/// The pending call's lease left, or `Claimed` if it has none.
+fn unless_pending(pending: Option<i64>) -> Attempt {
+    match pending {
+        Some(left) => Attempt::CallPending(std::time::Duration::from_millis(
+            u64::try_from(left).unwrap_or(0),
+        )),
+        None => Attempt::Claimed,
+    }
 }
 
 pub(crate) mod sealed {
@@ -47,14 +71,24 @@ pub(crate) mod sealed {
         /// or being claimed, without waiting for another transaction. A prepared statement, like
         /// the inbox's claim: an error that [`lost_statement`](crate::store::Store::lost_statement)
         /// recognizes (a body's `DEALLOCATE ALL` on this connection) is repaired by forgetting the
-        /// driver's statements.
+        /// driver's statements. Once inserted, a pending call of the key named `call` with a live
+        /// lease makes it [`Attempt::CallPending`].
         fn try_insert_key<'a>(
             conn: &'a mut Self::Connection,
             statements: &'a Statements,
             consumer: &'a str,
             key: &'a [u8],
             fingerprint: &'a [u8],
+            call: &'a str,
         ) -> impl Future<Output = Result<Attempt, sqlx::Error>> + Send + 'a;
+
+        /// The lock a leased route's call record takes first, in its transaction (see the module
+        /// docs); `None` where the database's single writer serializes the two already.
+        fn call_gate<'g>(
+            statements: &'g Statements,
+            consumer: &'g str,
+            key: &'g [u8],
+        ) -> Option<CallGate<'g, Self>>;
     }
 }
 
@@ -68,7 +102,11 @@ mod postgres {
     use sqlx::postgres::PgConnection;
     use sqlx::{AssertSqlSafe, Postgres};
 
-    use super::{Attempt, HttpBackend, Statements, sealed::ClaimWithoutWaiting};
+    use super::{
+        Attempt, CallGate, CallId, HttpBackend, Statements, sealed::ClaimWithoutWaiting,
+        unless_pending,
+    };
+    use crate::store::Queries;
 
     /// The lock is taken (once: the CTE is referenced twice, so it is materialized) and the key
     /// inserted only if it was; the row says which happened.
@@ -107,6 +145,7 @@ mod postgres {
             consumer: &str,
             key: &[u8],
             fingerprint: &[u8],
+            call: &str,
         ) -> Result<Attempt, sqlx::Error> {
             let (taken, inserted): (bool, bool) =
                 sqlx::query_as(AssertSqlSafe(statements.table_sql(TRY_CLAIM)))
@@ -115,13 +154,40 @@ mod postgres {
                     .bind(key)
                     .bind(fingerprint)
                     .bind(lock_of(statements, consumer, key))
-                    .fetch_one(conn)
+                    .fetch_one(&mut *conn)
                     .await?;
             Ok(match (taken, inserted) {
                 (false, _) => Attempt::InFlight,
-                (true, true) => Attempt::Claimed,
                 (true, false) => Attempt::Committed,
+                (true, true) => {
+                    // A statement of its own: its snapshot sees every call recorded before the
+                    // lock was taken.
+                    let id = CallId {
+                        consumer,
+                        key,
+                        name: call,
+                    };
+                    unless_pending(Self::call_pending(conn, statements, id).await?)
+                }
             })
+        }
+
+        fn call_gate<'g>(
+            statements: &'g Statements,
+            consumer: &'g str,
+            key: &'g [u8],
+        ) -> Option<CallGate<'g, Self>> {
+            let lock = lock_of(statements, consumer, key);
+            let pooled = statements.pooled;
+            Some(Box::new(move |conn: &mut PgConnection| {
+                Box::pin(async move {
+                    sqlx::query_scalar("SELECT pg_try_advisory_xact_lock($1)")
+                        .persistent(!pooled)
+                        .bind(lock)
+                        .fetch_one(conn)
+                        .await
+                })
+            }))
         }
     }
 }
@@ -131,7 +197,10 @@ mod sqlite {
     use sqlx::Sqlite;
     use sqlx::sqlite::SqliteConnection;
 
-    use super::{Attempt, HttpBackend, Statements, sealed::ClaimWithoutWaiting};
+    use super::{
+        Attempt, CallGate, CallId, HttpBackend, Statements, sealed::ClaimWithoutWaiting,
+        unless_pending,
+    };
     use crate::store::Queries;
 
     impl HttpBackend for Sqlite {}
@@ -145,15 +214,31 @@ mod sqlite {
             consumer: &str,
             key: &[u8],
             fingerprint: &[u8],
+            call: &str,
         ) -> Result<Attempt, sqlx::Error> {
-            // The transaction holds the write lock: nothing else can be claiming.
+            // The transaction holds the write lock: nothing else can be claiming, or recording
+            // a call.
             let inserted =
                 Self::insert_key(conn, statements, consumer, key, Some(fingerprint)).await?;
-            Ok(if inserted {
-                Attempt::Claimed
-            } else {
-                Attempt::Committed
-            })
+            if !inserted {
+                return Ok(Attempt::Committed);
+            }
+            let id = CallId {
+                consumer,
+                key,
+                name: call,
+            };
+            Ok(unless_pending(
+                Self::call_pending(conn, statements, id).await?,
+            ))
+        }
+
+        fn call_gate<'g>(
+            _statements: &'g Statements,
+            _consumer: &'g str,
+            _key: &'g [u8],
+        ) -> Option<CallGate<'g, Self>> {
+            None
         }
     }
 }

@@ -283,6 +283,35 @@ pub trait Queries: Store {
         result: &'a [u8],
     ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send + 'a;
 
+    /// Moves the pending call's lease end to now plus `lease_ms` if its fence is still `fence`;
+    /// `true` when it did.
+    fn call_extend<'a>(
+        conn: &'a mut Self::Connection,
+        statements: &'a Statements,
+        id: CallId<'a>,
+        fence: i64,
+        lease_ms: i64,
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send + 'a;
+
+    /// The rest of the call's live lease in milliseconds, if it is pending; in the open
+    /// transaction.
+    fn call_pending<'a>(
+        conn: &'a mut Self::Connection,
+        statements: &'a Statements,
+        id: CallId<'a>,
+    ) -> impl Future<Output = Result<Option<i64>, sqlx::Error>> + Send + 'a;
+
+    /// Stores `response` on the inbox row of `(consumer, key)` if it has none, or has `tried`, in
+    /// the open transaction; `true` when it did.
+    fn fill_response<'a>(
+        conn: &'a mut Self::Connection,
+        statements: &'a Statements,
+        consumer: &'a str,
+        key: &'a [u8],
+        response: &'a [u8],
+        tried: &'a [u8],
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send + 'a;
+
     /// Deletes the pending call if its fence is still `fence`; `true` when it did.
     fn call_release<'a>(
         conn: &'a mut Self::Connection,
@@ -706,6 +735,61 @@ where
                 .bind(fence)
                 .execute(&mut *conn)
         )?;
+        Ok(done.rows() == 1)
+    }
+
+    async fn call_extend(
+        conn: &mut DB::Connection,
+        statements: &Statements,
+        id: CallId<'_>,
+        fence: i64,
+        lease_ms: i64,
+    ) -> Result<bool, sqlx::Error> {
+        let done = alone!(
+            conn,
+            statements,
+            sqlx::query(AssertSqlSafe(statements.call_extend.clone()))
+                .persistent(!statements.pooled)
+                .bind(lease_ms)
+                .bind(id.consumer)
+                .bind(id.key)
+                .bind(id.name)
+                .bind(fence)
+                .execute(&mut *conn)
+        )?;
+        Ok(done.rows() == 1)
+    }
+
+    async fn call_pending(
+        conn: &mut DB::Connection,
+        statements: &Statements,
+        id: CallId<'_>,
+    ) -> Result<Option<i64>, sqlx::Error> {
+        sqlx::query_scalar(AssertSqlSafe(statements.call_pending.clone()))
+            .persistent(!statements.pooled)
+            .bind(id.consumer)
+            .bind(id.key)
+            .bind(id.name)
+            .fetch_optional(conn)
+            .await
+    }
+
+    async fn fill_response(
+        conn: &mut DB::Connection,
+        statements: &Statements,
+        consumer: &str,
+        key: &[u8],
+        response: &[u8],
+        tried: &[u8],
+    ) -> Result<bool, sqlx::Error> {
+        let done = sqlx::query(AssertSqlSafe(statements.fill_response.clone()))
+            .persistent(!statements.pooled)
+            .bind(response)
+            .bind(consumer)
+            .bind(key)
+            .bind(tried)
+            .execute(conn)
+            .await?;
         Ok(done.rows() == 1)
     }
 

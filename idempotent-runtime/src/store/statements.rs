@@ -109,6 +109,14 @@ pub struct Statements {
     /// The newest schema version recorded.
     pub(crate) schema_version: Arc<str>,
     pub(crate) call_release: Arc<str>,
+    /// Moves a pending call's lease end to now plus a lease, if its fence is still the one given.
+    pub(crate) call_extend: Arc<str>,
+    /// The rest of a pending call's live lease, in milliseconds; no row when it has none (the
+    /// HTTP layer's claim, which must not run while a leased route holds the key).
+    pub(crate) call_pending: Arc<str>,
+    /// Replaces the response of an inbox row that has none, or has the one given (the HTTP
+    /// layer's answer for a request whose handler committed the key itself).
+    pub(crate) fill_response: Arc<str>,
     /// A pooler in transaction mode (PgBouncer's `pool_mode = transaction`) sits between the inbox
     /// and the database, and hands each transaction whichever server session is free. So the
     /// inbox's statements are not prepared (a prepared statement lives in one server session, and
@@ -344,6 +352,31 @@ impl Statements {
             let f = p.next();
             format!("DELETE FROM {c} WHERE {which} AND fence = {f} AND completed = FALSE")
         };
+        let call_extend = {
+            let mut p = p();
+            let l = p.next();
+            let which = call(&mut p);
+            let f = p.next();
+            format!(
+                "UPDATE {c} SET lease_until = {now_ms} + {l}, updated_at = {now_ms} \
+                 WHERE {which} AND fence = {f} AND completed = FALSE"
+            )
+        };
+        let call_pending = format!(
+            "SELECT lease_until - {now_ms} FROM {c} \
+             WHERE {} AND completed = FALSE AND lease_until > {now_ms}",
+            call(&mut p())
+        );
+        let fill_response = {
+            let mut p = p();
+            let r = p.next();
+            let which = key(&mut p);
+            let tried = p.next();
+            format!(
+                "UPDATE {t} SET response = {r} WHERE {which} \
+                 AND (response IS NULL OR response = {tried})"
+            )
+        };
         Statements {
             dialect,
             table: t,
@@ -372,6 +405,9 @@ impl Statements {
             stats_horizons: stats_horizons.into(),
             schema_version: schema_version.into(),
             call_release: call_release.into(),
+            call_extend: call_extend.into(),
+            call_pending: call_pending.into(),
+            fill_response: fill_response.into(),
             pooled: false,
             outbox: OutboxStatements::new(&dialect, table),
         }
