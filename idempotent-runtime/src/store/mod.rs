@@ -113,6 +113,12 @@ mod private {
         /// saw is rolled back there); elsewhere such a connection is closed.
         const CANCEL_SAFE: bool = false;
 
+        /// Writes a body makes after its transaction ended under it (its own `COMMIT` or
+        /// `ROLLBACK`) cannot commit on their own: SQLite's commit hook refuses them, MySQL's
+        /// autocommit stays off (unless the body turns it on: [`Ending::Replaced`] says what was
+        /// found). On PostgreSQL they commit on their own.
+        const REFUSES_LATER_WRITES: bool = false;
+
         /// Begins the handler's transaction, together with whatever lets [`commit`](Store::commit)
         /// tell later that the transaction is still the one the inbox began.
         const BEGIN: &'static str;

@@ -124,6 +124,8 @@ impl Store for MySql {
         },
     };
 
+    const REFUSES_LATER_WRITES: bool = true;
+
     const BEGIN: &'static str = begin!("");
 
     /// `READ COMMITTED` for this one transaction: at `REPEATABLE READ` the batch's `SELECT … FOR

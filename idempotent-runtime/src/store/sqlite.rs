@@ -124,6 +124,8 @@ impl Store for Sqlite {
         },
     };
 
+    const REFUSES_LATER_WRITES: bool = true;
+
     const BEGIN: &'static str = "BEGIN IMMEDIATE";
 
     type Settings = ();
@@ -154,7 +156,7 @@ impl Store for Sqlite {
             resync(conn).await?;
             // The commit hook refuses every commit but the inbox's while the transaction is open.
             return Ok(Ending::Replaced {
-                later_writes_refused: true,
+                later_writes_refused: Self::REFUSES_LATER_WRITES,
             });
         }
         hooks.committing.store(true, Ordering::SeqCst);
@@ -186,7 +188,7 @@ impl Store for Sqlite {
         Self::rollback(conn, watch).await?;
         Ok(if replaced {
             RolledBack::Replaced {
-                later_writes_refused: true,
+                later_writes_refused: Self::REFUSES_LATER_WRITES,
             }
         } else {
             RolledBack::Own
