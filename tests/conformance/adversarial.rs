@@ -184,6 +184,44 @@ pub async fn body_that_ends_the_transaction_is_reported_truthfully_on_every_path
     }
 }
 
+/// A body that ends the inbox's transaction itself and then panics, on a pool of one connection:
+/// the connection the panic leaves behind serves the next message, whose body runs and commits.
+pub async fn body_that_ends_the_transaction_and_panics_leaves_a_pool_of_one_working(
+    h: impl Harness,
+) {
+    let inbox = h.inbox_with_pool(1);
+    let endings: [(&str, &[&'static str]); 4] = [
+        ("panics-rollback", &["ROLLBACK"]),
+        ("panics-commit", &["COMMIT"]),
+        ("panics-commit-begin", &["COMMIT", "BEGIN"]),
+        ("panics-begin", &["BEGIN"]),
+    ];
+    for (label, end) in endings {
+        let mut steps = vec![Step::Effect("before")];
+        steps.extend(end.iter().map(|sql| Step::Sql(sql)));
+        steps.push(Step::Effect("after"));
+        steps.push(Step::Panic);
+        let msg = Delivery::new(label).behaving(Behaviour::Script(steps));
+        let panicked = std::panic::AssertUnwindSafe(h.deliver_on(&inbox, Consumer::Orders, &msg));
+        let panicked = tokio::time::timeout(HANG, futures::FutureExt::catch_unwind(panicked))
+            .await
+            .unwrap_or_else(|_| panic!("{label}: the panicking call hung"));
+        assert!(
+            panicked.is_err(),
+            "{label}: the panic did not reach the caller"
+        );
+        let next = Delivery::new(&format!("{label}-next"));
+        let outcome = tokio::time::timeout(HANG, h.deliver_on(&inbox, Consumer::Orders, &next))
+            .await
+            .unwrap_or_else(|_| panic!("{label}: the next message hung"));
+        assert!(
+            matches!(outcome, Ok(Handled::Processed(()))),
+            "{label}: the next message on the pool's one connection: {outcome:?}"
+        );
+        assert_eq!(h.effects(&format!("{label}-next")).await, 1, "{label}");
+    }
+}
+
 /// Polls `future` until it is ready, or drops it at its `n`th poll that returns `Pending`: its
 /// output, or `None` when it was dropped.
 pub async fn run_until_pending<F: std::future::Future>(future: F, n: usize) -> Option<F::Output> {

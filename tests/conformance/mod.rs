@@ -513,6 +513,7 @@ macro_rules! conformance_tests {
             body_that_swallows_a_failed_statement_is_never_processed_without_its_commit
             body_that_ends_the_transaction_is_never_reported_processed
             body_that_ends_the_transaction_is_reported_truthfully_on_every_path
+            body_that_ends_the_transaction_and_panics_leaves_a_pool_of_one_working
             handler_dropped_at_every_await_point_leaves_a_pool_of_one_working
             worker_inbox_on_a_pool_of_one_reads_on_its_own_connection
             bad_names_and_leases_are_refused_before_any_database_work

@@ -80,6 +80,8 @@ pub enum Step {
     Effect(&'static str),
     /// Returns the handler's own error here (the steps after it do not run).
     Fail,
+    /// Panics here.
+    Panic,
 }
 
 impl Delivery {
@@ -323,6 +325,7 @@ macro_rules! effect_handlers {
                                 .await
                         }
                         crate::support::Step::Fail => return Err(TestError::Failed),
+                        crate::support::Step::Panic => panic!("the handler panicked on purpose"),
                     };
                 }
                 return Ok(());

@@ -132,6 +132,13 @@ impl Store for Sqlite {
     type Watch = Watch;
 
     async fn watch(conn: &mut SqliteConnection) -> Result<Watch, sqlx::Error> {
+        // The inbox's transaction begins at depth 0. A connection that comes with a count of a
+        // transaction was dropped after a body ended the inbox's transaction itself: the rollback
+        // queued at the drop found none to end, and sqlx counts one that is not there (its next
+        // `BEGIN` would be refused as a savepoint's). Make the count true first.
+        while SqliteTransactionManager::get_transaction_depth(conn) > 0 {
+            resync(conn).await?;
+        }
         let hooks = Arc::new(Hooks {
             open: AtomicBool::new(true),
             ..Hooks::default()
