@@ -261,6 +261,7 @@ impl<DB: Backend> Inbox<DB> {
 
     /// The rest of the lease of the call `name` of `consumer`'s message `key`, if it is pending
     /// with a live lease: a read, which waits for no writer.
+    #[cfg(feature = "http")]
     pub(crate) async fn call_lease_left(
         &self,
         consumer: &str,
@@ -284,6 +285,7 @@ impl<DB: Backend> Inbox<DB> {
 
     /// Moves the end of `lease`'s pending call to `lease` from now, if it still holds the call:
     /// `false` when it was taken over, completed or released since.
+    #[cfg(feature = "http")]
     pub(crate) async fn extend_call(
         &self,
         held: &CallLease,
