@@ -285,8 +285,16 @@ pub trait Harness {
     /// Moves the processed time of `consumer`'s rows `by` into the past.
     fn backdate(&self, consumer: &str, by: std::time::Duration) -> impl Future<Output = ()>;
 
-    /// Runs `sql` (no parameters) on the harness's pool; the rows it changed.
+    /// Runs `sql` (no parameters) on the harness's pool; the rows it changed. Returns once every
+    /// connection of the harness can see the change ([`Harness::writes_applied`]).
     fn execute(&self, sql: &str) -> impl Future<Output = u64>;
+
+    /// Returns once what the harness's own pool committed is visible to the inbox's connections:
+    /// at once on one server; on a Galera cluster, once every node has applied it (the harness
+    /// writes on node 3, the inbox reads on node 1).
+    fn writes_applied(&self) -> impl Future<Output = ()> {
+        async {}
+    }
 
     /// Creates the tables of schema version 1 (this library's first release, copied from it) for
     /// the inbox table `table`, and fills them: one row per consumer `old-orders` (a key
@@ -618,11 +626,13 @@ macro_rules! harness_methods {
         }
 
         async fn execute(&self, sql: &str) -> u64 {
-            sqlx::query(sqlx::AssertSqlSafe(sql.to_owned()))
+            let changed = sqlx::query(sqlx::AssertSqlSafe(sql.to_owned()))
                 .execute(&self.pool)
                 .await
                 .unwrap()
-                .rows_affected()
+                .rows_affected();
+            self.writes_applied().await;
+            changed
         }
 
         async fn inbox_rows(&self) -> i64 {

@@ -234,6 +234,10 @@ impl Harness for MySqlHarness {
         .execute(&self.pool)
         .await
         .unwrap();
+        self.writes_applied().await;
+    }
+
+    async fn writes_applied(&self) {
         self.sync_nodes().await;
     }
 
@@ -247,7 +251,7 @@ impl Harness for MySqlHarness {
         .execute(&self.pool)
         .await
         .unwrap();
-        self.sync_nodes().await;
+        self.writes_applied().await;
     }
 
     async fn create_legacy_tables(&self, table: &str) {
