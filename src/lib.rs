@@ -200,3 +200,35 @@ pub use idempotent_runtime::__private::sqlx;
 
 #[doc(hidden)]
 pub use idempotent_runtime::__private;
+
+/// The guides: one page per topic, each with its samples run as doc tests.
+pub mod guide {
+    #[doc = include_str!("../docs/guarantees.md")]
+    pub mod guarantees {}
+    #[doc = include_str!("../docs/keys.md")]
+    pub mod keys {}
+    #[doc = include_str!("../docs/brokers.md")]
+    #[cfg(any(feature = "rabbitmq", feature = "nats"))]
+    #[cfg_attr(docsrs, doc(cfg(any(feature = "rabbitmq", feature = "nats"))))]
+    pub mod brokers {}
+    #[doc = include_str!("../docs/outbox.md")]
+    pub mod outbox {}
+    #[doc = include_str!("../docs/http.md")]
+    #[cfg(feature = "http")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "http")))]
+    pub mod http {}
+    #[doc = include_str!("../docs/lifecycle.md")]
+    pub mod lifecycle {}
+    #[doc = include_str!("../docs/operating.md")]
+    pub mod operating {}
+    #[doc = include_str!("../docs/storage.md")]
+    pub mod storage {}
+    #[doc = include_str!("../docs/scale.md")]
+    pub mod scale {}
+    #[doc = include_str!("../docs/performance.md")]
+    pub mod performance {}
+    #[doc = include_str!("../docs/architecture.md")]
+    pub mod architecture {}
+    #[doc = include_str!("../docs/testing.md")]
+    pub mod testing {}
+}
