@@ -136,7 +136,8 @@ impl<DB: Backend> Inbox<DB> {
     /// `idle_timeout` while they are kept.
     ///
     /// ```no_run
-    /// # async fn demo(inbox: idempotent_runtime::Inbox<sqlx::Postgres>) {
+    /// # use idempotent_runtime as idempotent;
+    /// # async fn demo(inbox: idempotent::Inbox<sqlx::Postgres>) {
     /// for _ in 0..4 {
     ///     let inbox = inbox.for_worker();
     ///     tokio::spawn(async move {
@@ -503,9 +504,10 @@ impl Inbox<sqlx::Sqlite> {
     /// nothing about your production database.
     ///
     /// ```
+    /// # use idempotent_runtime as idempotent;
     /// # #[tokio::main(flavor = "current_thread")]
     /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    /// let inbox = idempotent_runtime::Inbox::<sqlx::Sqlite>::in_memory().await?;
+    /// let inbox = idempotent::Inbox::<sqlx::Sqlite>::in_memory().await?;
     /// sqlx::query("CREATE TABLE orders (id INTEGER PRIMARY KEY)").execute(inbox.pool()).await?;
     /// # Ok(()) }
     /// ```

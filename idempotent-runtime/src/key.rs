@@ -45,7 +45,8 @@ const TAG_HASHED: u8 = 0xFF;
 /// A newtype of your own opts in by delegating to its inner value:
 ///
 /// ```
-/// use idempotent_runtime::{KeyBuilder, StableKey};
+/// # use idempotent_runtime as idempotent;
+/// use idempotent::{KeyBuilder, StableKey};
 ///
 /// struct PaymentId(String);
 ///

@@ -14,7 +14,8 @@ use std::fmt;
 /// with [`Retryable::new`]; `?` then converts it:
 ///
 /// ```
-/// use idempotent_runtime::Retryable;
+/// # use idempotent_runtime as idempotent;
+/// use idempotent::Retryable;
 ///
 /// #[derive(Debug, thiserror::Error)]
 /// enum ShopError {

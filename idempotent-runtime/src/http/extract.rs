@@ -48,7 +48,8 @@ impl<DB: HttpBackend> Slot<DB> {
 /// was made with [`IdempotencyLayer::transactional`](super::IdempotencyLayer::transactional).
 ///
 /// ```no_run
-/// # use idempotent_runtime::http::IdempotentTx;
+/// # use idempotent_runtime as idempotent;
+/// # use idempotent::http::IdempotentTx;
 /// # use axum_core::response::IntoResponse;
 /// async fn create_payment(mut tx: IdempotentTx<sqlx::Postgres>) -> impl IntoResponse {
 ///     sqlx::query("INSERT INTO payments (amount) VALUES (100)")

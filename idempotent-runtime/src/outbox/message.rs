@@ -46,7 +46,8 @@ impl Destination {
 /// own id and an ordering key.
 ///
 /// ```
-/// use idempotent_runtime::outbox::{Destination, OutgoingMessage};
+/// # use idempotent_runtime as idempotent;
+/// use idempotent::outbox::{Destination, OutgoingMessage};
 ///
 /// let paid = OutgoingMessage::new(Destination::exchange("shop", "order.paid"), br#"{"order":7}"#)
 ///     .with_header("content-type", "application/json")

@@ -58,8 +58,9 @@ impl HandlerConnection for SqliteConnection {
 /// in WAL mode so that readers do not wait for the serialized writers.
 ///
 /// ```
+/// # use idempotent_runtime as idempotent;
 /// # async fn demo() -> Result<(), sqlx::Error> {
-/// let pool = sqlx::SqlitePool::connect_with(idempotent_runtime::sqlite::connect_options("sqlite://shop.db")?).await?;
+/// let pool = sqlx::SqlitePool::connect_with(idempotent::sqlite::connect_options("sqlite://shop.db")?).await?;
 /// # Ok(()) }
 /// ```
 pub fn connect_options(url: &str) -> Result<SqliteConnectOptions, sqlx::Error> {
