@@ -238,10 +238,10 @@ pub enum InboxError {
 }
 
 impl InboxError {
-    /// Whether delivering the same message again may succeed: a serialization failure, a deadlock,
-    /// a busy, locked or full database, a lost connection or an exhausted pool, a call in progress
-    /// elsewhere, a transaction that ended with nothing committed. A consumer should redeliver these
-    /// after a back-off, and dead-letter the rest.
+    /// Returns whether delivering the same message again may succeed: a serialization failure, a
+    /// deadlock, a busy, locked or full database, a lost connection or an exhausted pool, a call in
+    /// progress elsewhere, a transaction that ended with nothing committed. A consumer should
+    /// redeliver these after a back-off, and dead-letter the rest.
     pub fn is_retryable(&self) -> bool {
         match self {
             InboxError::Database { fault, .. } => *fault != Fault::None,
@@ -292,7 +292,7 @@ pub enum Error<E> {
 }
 
 impl<E> Error<E> {
-    /// The handler's own error (of either kind), if that is what this is.
+    /// Returns the handler's own error (of either kind), if that is what this is.
     pub fn handler_error(&self) -> Option<&E> {
         match self {
             Error::Handler(e) | Error::Transient(e) => Some(e),
@@ -300,7 +300,7 @@ impl<E> Error<E> {
         }
     }
 
-    /// The inbox's error, if that is what this is.
+    /// Returns the inbox's error, if that is what this is.
     pub fn inbox_error(&self) -> Option<&InboxError> {
         match self {
             Error::Handler(_) | Error::Transient(_) => None,
@@ -308,8 +308,8 @@ impl<E> Error<E> {
         }
     }
 
-    /// Whether a redelivery of the message may succeed: [`Error::Transient`], or an inbox error
-    /// that [is retryable](InboxError::is_retryable). [`Error::Handler`] is the handler's to
+    /// Returns whether a redelivery of the message may succeed: [`Error::Transient`], or an inbox
+    /// error that [is retryable](InboxError::is_retryable). [`Error::Handler`] is the handler's to
     /// classify: `false` here.
     pub fn is_retryable(&self) -> bool {
         match self {

@@ -45,7 +45,7 @@ impl Retryable {
         Self(error.into())
     }
 
-    /// The error it marks.
+    /// Returns the error it marks.
     pub fn get_ref(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
         self.0.as_ref()
     }

@@ -64,7 +64,8 @@ impl Default for RetryPolicy {
 }
 
 impl RetryPolicy {
-    /// `max_attempts` attempts, the first retry after `first_delay`, each later one twice as late.
+    /// Creates a policy of `max_attempts` attempts, the first retry after `first_delay`, each later
+    /// one twice as late.
     pub fn new(max_attempts: u32, first_delay: Duration) -> Self {
         Self {
             max_attempts: max_attempts.max(1),
@@ -73,20 +74,20 @@ impl RetryPolicy {
         }
     }
 
-    /// The same policy with another multiplier.
+    /// Returns the same policy with another multiplier.
     pub fn multiplier(self, multiplier: f64) -> Self {
         Self { multiplier, ..self }
     }
 
-    /// The same policy with another longest delay.
+    /// Returns the same policy with another longest delay.
     pub fn max_delay(self, max_delay: Duration) -> Self {
         Self { max_delay, ..self }
     }
 
-    /// How long to wait before attempt `attempt + 1`, after attempt `attempt` (counting from 1)
-    /// failed: `first_delay` times `multiplier` to the power `attempt - 1`, and never more than
-    /// `max_delay`. Any input gives an answer (no overflow, no panic), and the answers never shrink
-    /// as `attempt` grows.
+    /// Returns how long to wait before attempt `attempt + 1`, after attempt `attempt` (counting
+    /// from 1) failed: `first_delay` times `multiplier` to the power `attempt - 1`, and never more
+    /// than `max_delay`. Any input gives an answer (no overflow, no panic), and the answers never
+    /// shrink as `attempt` grows.
     pub fn delay_after(&self, attempt: u32) -> Duration {
         // NaN and anything below 1 count as 1 (`max` ignores NaN): delays never shrink.
         let multiplier = self.multiplier.max(1.0);
@@ -127,7 +128,7 @@ pub enum Route {
 }
 
 impl Route {
-    /// The route of a delivery on its `attempt`-th attempt (counting from 1) whose handler
+    /// Returns the route of a delivery on its `attempt`-th attempt (counting from 1) whose handler
     /// returned `outcome`.
     pub fn of<T, E: fmt::Display>(
         outcome: &Result<Handled<T>, Error<E>>,
@@ -253,7 +254,7 @@ pub struct Message {
 }
 
 impl Message {
-    /// The value of header `name`, if it is there and text.
+    /// Returns the value of header `name`, if it is there and text.
     pub fn header(&self, name: &str) -> Option<&str> {
         self.headers
             .iter()

@@ -50,8 +50,8 @@ use crate::retention::Retention;
 use crate::store::Backend;
 
 impl Outbox {
-    /// An empty outbox for a transaction of your own, whose messages' ids derive from `origin` (a
-    /// name such as `"checkout"`, as a consumer's name is) and `key` (any
+    /// Creates an empty outbox for a transaction of your own, whose messages' ids derive from
+    /// `origin` (a name such as `"checkout"`, as a consumer's name is) and `key` (any
     /// [`StableKey`](crate::StableKey) value that is the same each time the same work is done
     /// again: an order id, an HTTP request's idempotency key), as a handler's derive from its
     /// consumer and message key. Write it with [`Inbox::enqueue`]. Errors: an empty or too long

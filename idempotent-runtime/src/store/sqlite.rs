@@ -54,8 +54,8 @@ impl HandlerConnection for SqliteConnection {
     type Backend = Sqlite;
 }
 
-/// Connection options for an inbox database: the file is created if missing, and the journal is
-/// in WAL mode so that readers do not wait for the serialized writers.
+/// Returns connection options for an inbox database: the file is created if missing, and the
+/// journal is in WAL mode so that readers do not wait for the serialized writers.
 ///
 /// ```
 /// # use idempotent_runtime as idempotent;
