@@ -128,7 +128,8 @@
 /// which the body queues outgoing messages that commit with its effect (see [`outbox`]). It
 /// becomes a function that takes
 /// `&InboxFor<Connection>` in place of the connection and returns
-/// `Result<Handled<T>, Error<E>>`; see the [crate docs](crate) for what it does.
+/// `Result<Handled<T>, Error<E>>`; [what it does](guide::guarantees#what-the-attribute-does) says step by step what that function
+/// does, and [Keys](guide::keys) which keys the attribute refuses.
 pub use idempotent_macros::idempotent;
 
 pub use idempotent_runtime::{
