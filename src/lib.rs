@@ -171,6 +171,22 @@ pub use idempotent_runtime::__private::sqlx;
 pub use idempotent_runtime::__private;
 
 /// The guides: one page per topic, each with its samples run as doc tests.
+///
+/// - [Guarantees](guide::guarantees): what the attribute does step by step, what holds, how it is
+///   tested, and where it stops.
+/// - [Keys](guide::keys): what to key a handler on, and the checks that refuse unstable keys.
+/// - [Brokers and runners](guide::brokers): RabbitMQ and NATS JetStream runners; Kafka's rules.
+/// - [Outbox](guide::outbox): outgoing messages that commit with the effect, and their relays.
+/// - [HTTP APIs](guide::http): `Idempotency-Key` routes with a tower layer and axum extractors.
+/// - [Lifecycle](guide::lifecycle): retention and purge, calls to outside services, stored
+///   responses and fingerprints, batches, tracing.
+/// - [Operating](guide::operating): the purge horizon, inspect and forget, the command-line tool,
+///   metrics.
+/// - [Storage](guide::storage): the tables, each database's claim, schema versions.
+/// - [Running at scale](guide::scale): many instances, Galera, a PostgreSQL standby, PgBouncer.
+/// - [Performance](guide::performance): what each part costs, measured.
+/// - [Architecture](guide::architecture): the crates and modules, and which way the arrows point.
+/// - [Testing the suite](guide::testing): the servers `scripts/test` starts, and your own.
 pub mod guide {
     #[doc = include_str!("../docs/guarantees.md")]
     pub mod guarantees {}

@@ -208,7 +208,9 @@ pub enum InboxError {
     /// session is free, so the statements sqlx prepares on one session are missing, or clash with
     /// another client's, in the next transaction. Open the inbox with
     /// [`Inbox::with_transaction_pooling`](crate::Inbox::with_transaction_pooling) (and the pool
-    /// as the README's "Running at scale" says), or connect directly or in session mode. Not
+    /// as the guide "Running at scale" says, in its section on PgBouncer:
+    /// <https://docs.rs/idempotent-inbox/latest/idempotent/guide/scale/index.html#pgbouncer>), or
+    /// connect directly or in session mode. Not
     /// retryable: found by [`Inbox::migrate`](crate::Inbox::migrate) at start-up.
     #[error(
         "a pooler in transaction mode sits between the inbox and the database; open the inbox with_transaction_pooling()"

@@ -553,8 +553,9 @@ impl Inbox<sqlx::Postgres> {
     /// said. Without it, [`migrate`](Self::migrate) refuses such a pool with
     /// [`InboxError::TransactionPooling`].
     ///
-    /// The handlers' own statements need the same care: see the crate's README ("Running at
-    /// scale") for the pool's and PgBouncer's settings that make sqlx work through such a pooler.
+    /// The handlers' own statements need the same care: the guide "Running at scale" gives the
+    /// pool's and PgBouncer's settings that make sqlx work through such a pooler
+    /// (<https://docs.rs/idempotent-inbox/latest/idempotent/guide/scale/index.html#pgbouncer>).
     pub fn with_transaction_pooling(self) -> Self {
         self.with_config(|config| Config {
             statements: config.statements.clone().with_pooling(true),
