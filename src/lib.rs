@@ -122,13 +122,12 @@
 ///
 /// The function must be an `async fn` (or method taking `&self`) whose first parameter after `self`
 /// is `&mut sqlx::PgConnection`, `&mut sqlx::SqliteConnection` or `&mut sqlx::MySqlConnection`
-/// and whose second is the message,
-/// returning `Result<T, E>` (or an alias of it). A parameter of type [`IdempotencyKey`] is filled
-/// in by the rewritten function, and so is one of type `&mut` [`Outbox`](outbox::Outbox), through
-/// which the body queues outgoing messages that commit with its effect (see [`outbox`]). It
-/// becomes a function that takes
-/// `&InboxFor<Connection>` in place of the connection and returns
-/// `Result<Handled<T>, Error<E>>`; [what it does](guide::guarantees#what-the-attribute-does) says step by step what that function
+/// and whose second is the message, returning `Result<T, E>` (or an alias of it). A parameter of
+/// type [`IdempotencyKey`] is filled in by the rewritten function, and so is one of type `&mut`
+/// [`Outbox`](outbox::Outbox), through which the body queues outgoing messages that commit with
+/// its effect (see [`outbox`]). It becomes a function that takes `&InboxFor<Connection>` in place
+/// of the connection and returns `Result<Handled<T>, Error<E>>`:
+/// [what it does](guide::guarantees#what-the-attribute-does) says step by step what that function
 /// does, and [Keys](guide::keys) which keys the attribute refuses.
 pub use idempotent_macros::idempotent;
 
