@@ -1,6 +1,13 @@
 //! Idempotent message handlers: the effect happens once per message key, however often the broker
 //! delivers the message.
 //!
+//! Brokers deliver at least once: a consumer that crashes after its commit but before its
+//! acknowledgement, a lock that expires, a producer's retry, a message resubmitted from a
+//! dead-letter queue days later each hand the same message to your handler again. The
+//! [`#[idempotent]`](idempotent) attribute rewrites the handler to claim the message's key in an
+//! inbox table, in the handler's own transaction, so the effect and the record that it happened
+//! commit together or not at all; a second delivery finds the key and skips the body.
+//!
 //! ```
 //! use idempotent::{Handled, Inbox, idempotent};
 //!
@@ -46,88 +53,49 @@
 //! # Ok(()) }
 //! ```
 //!
-//! # What the attribute does
-//! [`#[idempotent(key = "...", consumer = "...")]`](idempotent) rewrites an `async fn` whose first
-//! parameter is the transaction's connection (`&mut sqlx::PgConnection`,
-//! `&mut sqlx::SqliteConnection` or `&mut sqlx::MySqlConnection`) and whose second is the message. The rewritten function takes an
-//! [`Inbox`] instead of the connection, and on each call:
+//! The rewritten handler returns [`Handled::Processed`] or [`Handled::Duplicate`] (acknowledge
+//! both), or an [`Error`] whose [`is_retryable`](Error::is_retryable) says whether to redeliver
+//! after a back-off or to dead-letter. [The guarantees](guide::guarantees) say exactly what
+//! holds, and where it stops.
 //!
-//! 1. computes the key from the message's fields (an empty string key is an
-//!    [`InboxError::Key`] error, before any database work);
-//! 2. begins a transaction and claims `(consumer, key)` in the inbox table, as its first
-//!    statement, an insert on the primary key with the database's own conflict handling:
-//!    PostgreSQL `INSERT … ON CONFLICT DO NOTHING` (prepared once per session;
-//!    `Inbox::with_pipelined_claim` sends it with the `BEGIN`, at the price the `postgres` module
-//!    describes), SQLite `INSERT OR IGNORE` after `BEGIN IMMEDIATE`, MySQL `INSERT IGNORE`. A
-//!    concurrent call with the same key waits there until the first one commits or rolls back;
-//! 3. if the key was already claimed, rolls back and returns [`Handled::Duplicate`]; the body does
-//!    not run;
-//! 4. otherwise runs the body on the same transaction; when the body returns `Ok(v)`, checks that
-//!    the transaction is still the one it began with nothing failed in it, and commits the body's
-//!    work together with the inbox row, returning [`Handled::Processed(v)`](Handled). A body that
-//!    carried on after a failed statement, or ended the transaction itself, gets
-//!    [`InboxError::TransactionAborted`] or [`InboxError::TransactionEnded`] instead: never
-//!    `Processed` for work that was not committed;
-//! 5. when the body returns `Err(e)`, rolls back and returns [`Error::Handler(e)`](Error), or
-//!    [`Error::Transient(e)`](Error) when the database failed under the body (a lost connection, a
-//!    deadlock, a serialization failure, found in `e`'s sources whatever its type); a panic or a
-//!    dropped future rolls back too. The key stays unclaimed, so a redelivery runs the body again.
-//!
-//! A consumer acknowledges `Ok` outcomes, redelivers after a back-off what
-//! [`Error::is_retryable`] says may succeed, and dead-letters the rest. A body must not end the
-//! transaction (`COMMIT`, `ROLLBACK`, on MySQL a statement that commits implicitly); nested
-//! transactions (`tx.begin()`) are savepoints and fine.
-//!
-//! # Keys
-//! - `key = "message_id"`: a field of the message; `key = "meta.message_id"`: a nested field;
-//!   `key = ("order_id", "payment_id")`: a composite business key.
-//! - The key's type must implement [`StableKey`]: UUIDs, strings, integers, byte strings and tuples
-//!   of them; your own newtypes opt in. Floats, `Option`s, timestamps, [`CorrelationId`] and
-//!   [`DeliveryTag`] are compile errors.
-//! - Field names that say the value is not stable per message (correlation and causation ids,
-//!   delivery tags and counts, redelivered flags, lock tokens, receipt handles, broker offsets and
-//!   sequence numbers, receive timestamps) are compile errors, unless
-//!   `allow_unstable_key = "why it is unique per message"` says otherwise.
-//! - Keys are stored as bytes, in an injective encoding; encodings over 64 bytes are stored as
-//!   their SHA-256 digest. See [`key`].
-//!
-//! # Lifecycle
-//! - Retention: rows are kept [`Retention::DEFAULT`] (14 days) unless configured;
-//!   [`Inbox::purge_expired`] deletes expired rows in batches and [`Inbox::spawn_purger`] does it in
-//!   the background, one instance at a time.
-//! - Calls to outside services: a handler parameter of type [`IdempotencyKey`] to pass on, and
-//!   [`Inbox::call_once`] for a `pending → completed` record with a lease and a fencing token (see
-//!   [`calls`]).
-//! - `store_response` and `fingerprint` attribute arguments; [`Inbox::metrics`] and a `tracing`
-//!   span per message.
-//! - Batches: [`Inbox::handle_batch`] claims many keys in one statement and one transaction.
-//! - The purge horizon: a message that says when it was sent (a UUIDv7 key, or
-//!   `sent_at = "field"`) and is older than what its consumer's purges may have deleted is refused
-//!   with [`InboxError::OlderThanHorizon`] rather than processed again (see [`Retention`]).
-//! - The transactional [`outbox`]: a handler parameter `outbox: &mut Outbox` queues outgoing
-//!   messages, which commit with the handler's effect, with ids derived from the consumer, the
-//!   message's key and their position; a relay ([`Inbox::spawn_relay`]) publishes them at least
-//!   once through RabbitMQ or NATS JetStream.
-//! - Operations: [`Inbox::inspect`], [`Inbox::list`], [`Inbox::stuck_calls`], [`Inbox::stats`],
-//!   [`Inbox::forget`] with an audit row (see [`operations`]); the tables' [`schema`] versions,
-//!   which [`Inbox::migrate`] upgrades; [`metrics`] through the `metrics` facade; and the
-//!   `idempotent` command-line tool (the `idempotent-cli` crate).
-//!
-//! # Speed
-//! - A worker that handles messages one after another should call its handlers with
-//!   [`Inbox::for_worker`]: the worker's inbox keeps its connection between messages and saves the
-//!   two round trips sqlx's pool spends checking a connection as it is handed back and taken again
-//!   (about a quarter more messages per second on PostgreSQL in the benchmark).
-//! - On SQLite an inbox queues its own writers in the process, so make one inbox and clone it
-//!   rather than making one per task.
+//! # What is in the box
+//! - **The attribute**, [`#[idempotent]`](idempotent): keys from fields, nested fields or tuples;
+//!   keys that would lose or repeat effects are compile errors ([Keys](guide::keys)).
+//! - **The inbox**, [`Inbox`], on PostgreSQL, SQLite and MySQL/MariaDB, with the claim by hand
+//!   ([`Inbox::claim`]), batches ([`Inbox::handle_batch`]) and a worker's kept connection
+//!   ([`Inbox::for_worker`]) ([Storage](guide::storage), [Performance](guide::performance)).
+//! - **Retention and purge**, calls to outside services with a lease and a fencing token
+//!   ([`Inbox::call_once`]), stored responses and fingerprints ([Lifecycle](guide::lifecycle)).
+//! - **The transactional outbox** ([`outbox`]): follow-up messages commit with the effect, and a
+//!   relay publishes them at least once with stable ids ([Outbox](guide::outbox)).
+//! - **Broker runners** for RabbitMQ and NATS JetStream ([`broker`], features `rabbitmq`,
+//!   `nats`): the acknowledgement, retry and dead-letter rules, written once
+//!   ([Brokers and runners](guide::brokers)).
+//! - **HTTP `Idempotency-Key`** routes ([`http`], feature `http`): a tower layer and axum
+//!   extractors on the same inbox ([HTTP APIs](guide::http)).
+//! - **Operations**: the purge horizon, inspect and forget, the `idempotent` command-line tool and
+//!   [`metrics`] ([Operating](guide::operating)); [`schema`] versions that
+//!   [`Inbox::migrate`] upgrades ([Storage](guide::storage#schema-versions)).
+//! - **Past one server**: Galera, a PostgreSQL standby, PgBouncer ([Running at scale](guide::scale)).
 //!
 //! # Features
 //! - `sqlite` (default): the inbox on SQLite, compiled in.
 //! - `postgres`: the inbox on PostgreSQL.
 //! - `mysql`: the inbox on MySQL and MariaDB.
-//! - `rabbitmq`, `nats`: the [`broker`] runners for RabbitMQ and NATS JetStream.
-//! - `http`: the `http` module, a tower layer and axum extractors that make HTTP routes idempotent by
-//!   `Idempotency-Key` header, on the same inbox (PostgreSQL and SQLite).
+//! - `rabbitmq`, `nats`: the broker runners for RabbitMQ and NATS JetStream, and the outbox's
+//!   publishers. The outbox itself needs no feature.
+//! - `http`: the `http` module, a tower layer and axum extractors that make HTTP routes idempotent
+//!   by `Idempotency-Key` header, on the same inbox (PostgreSQL and SQLite).
+//!
+//! Your handlers' connection types must come from the same sqlx as ours ([`sqlx`] re-exports it).
+//!
+//! # The guides
+//! [Guarantees](guide::guarantees) · [Keys](guide::keys) ·
+//! [Brokers and runners](guide::brokers) (with `rabbitmq` or `nats`) · [Outbox](guide::outbox) ·
+//! [HTTP APIs](guide::http) (with `http`) ·
+//! [Lifecycle](guide::lifecycle) · [Operating](guide::operating) · [Storage](guide::storage) ·
+//! [Running at scale](guide::scale) · [Performance](guide::performance) ·
+//! [Architecture](guide::architecture) · [Testing the suite](guide::testing)
 #![warn(missing_docs, unreachable_pub)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
@@ -154,13 +122,13 @@
 ///
 /// The function must be an `async fn` (or method taking `&self`) whose first parameter after `self`
 /// is `&mut sqlx::PgConnection`, `&mut sqlx::SqliteConnection` or `&mut sqlx::MySqlConnection`
-/// and whose second is the message,
-/// returning `Result<T, E>` (or an alias of it). A parameter of type [`IdempotencyKey`] is filled
-/// in by the rewritten function, and so is one of type `&mut` [`Outbox`](outbox::Outbox), through
-/// which the body queues outgoing messages that commit with its effect (see [`outbox`]). It
-/// becomes a function that takes
-/// `&InboxFor<Connection>` in place of the connection and returns
-/// `Result<Handled<T>, Error<E>>`; see the [crate docs](crate) for what it does.
+/// and whose second is the message, returning `Result<T, E>` (or an alias of it). A parameter of
+/// type [`IdempotencyKey`] is filled in by the rewritten function, and so is one of type `&mut`
+/// [`Outbox`](outbox::Outbox), through which the body queues outgoing messages that commit with
+/// its effect (see [`outbox`]). It becomes a function that takes `&InboxFor<Connection>` in place
+/// of the connection and returns `Result<Handled<T>, Error<E>>`:
+/// [what it does](guide::guarantees#what-the-attribute-does) says step by step what that function
+/// does, and [Keys](guide::keys) which keys the attribute refuses.
 pub use idempotent_macros::idempotent;
 
 pub use idempotent_runtime::{
@@ -200,3 +168,51 @@ pub use idempotent_runtime::__private::sqlx;
 
 #[doc(hidden)]
 pub use idempotent_runtime::__private;
+
+/// The guides: one page per topic, each with its samples run as doc tests.
+///
+/// - [Guarantees](guide::guarantees): what the attribute does step by step, what holds, how it is
+///   tested, and where it stops.
+/// - [Keys](guide::keys): what to key a handler on, and the checks that refuse unstable keys.
+/// - [Brokers and runners](guide::brokers): RabbitMQ and NATS JetStream runners; Kafka's rules.
+/// - [Outbox](guide::outbox): outgoing messages that commit with the effect, and their relays.
+/// - [HTTP APIs](guide::http): `Idempotency-Key` routes with a tower layer and axum extractors.
+/// - [Lifecycle](guide::lifecycle): retention and purge, calls to outside services, stored
+///   responses and fingerprints, batches, tracing.
+/// - [Operating](guide::operating): the purge horizon, inspect and forget, the command-line tool,
+///   metrics.
+/// - [Storage](guide::storage): the tables, each database's claim, schema versions.
+/// - [Running at scale](guide::scale): many instances, Galera, a PostgreSQL standby, PgBouncer.
+/// - [Performance](guide::performance): what each part costs, measured.
+/// - [Architecture](guide::architecture): the crates and modules, and which way the arrows point.
+/// - [Testing the suite](guide::testing): the servers `scripts/test` starts, and your own.
+pub mod guide {
+    #[doc = include_str!("../docs/guarantees.md")]
+    pub mod guarantees {}
+    #[doc = include_str!("../docs/keys.md")]
+    pub mod keys {}
+    #[doc = include_str!("../docs/brokers.md")]
+    #[cfg(any(feature = "rabbitmq", feature = "nats"))]
+    #[cfg_attr(docsrs, doc(cfg(any(feature = "rabbitmq", feature = "nats"))))]
+    pub mod brokers {}
+    #[doc = include_str!("../docs/outbox.md")]
+    pub mod outbox {}
+    #[doc = include_str!("../docs/http.md")]
+    #[cfg(feature = "http")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "http")))]
+    pub mod http {}
+    #[doc = include_str!("../docs/lifecycle.md")]
+    pub mod lifecycle {}
+    #[doc = include_str!("../docs/operating.md")]
+    pub mod operating {}
+    #[doc = include_str!("../docs/storage.md")]
+    pub mod storage {}
+    #[doc = include_str!("../docs/scale.md")]
+    pub mod scale {}
+    #[doc = include_str!("../docs/performance.md")]
+    pub mod performance {}
+    #[doc = include_str!("../docs/architecture.md")]
+    pub mod architecture {}
+    #[doc = include_str!("../docs/testing.md")]
+    pub mod testing {}
+}

@@ -21,13 +21,14 @@ pub struct ClaimedBatch<DB: Backend> {
 }
 
 impl<DB: Backend> ClaimedBatch<DB> {
-    /// Whether the key at `index` (in the order given to `claim_batch`) was claimed by this batch:
-    /// `false` for keys processed before, and for a repeat of a key earlier in the same batch.
+    /// Returns whether the key at `index` (in the order given to `claim_batch`) was claimed by this
+    /// batch: `false` for keys processed before, and for a repeat of a key earlier in the same
+    /// batch.
     pub fn is_new(&self, index: usize) -> bool {
         self.new.get(index).copied().unwrap_or(false)
     }
 
-    /// The transaction's connection, for the handlers' own statements.
+    /// Returns the transaction's connection, for the handlers' own statements.
     pub fn connection(&mut self) -> &mut DB::Connection {
         self.tx.connection()
     }

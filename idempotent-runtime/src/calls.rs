@@ -59,13 +59,13 @@ pub struct CallLease {
 }
 
 impl CallLease {
-    /// The fencing token: 1 for the first attempt, one more for each takeover.
+    /// Returns the fencing token: 1 for the first attempt, one more for each takeover.
     pub fn fence(&self) -> i64 {
         self.fence
     }
 
-    /// The idempotency key to send with the call, so that the other side can deduplicate too; the
-    /// same for every attempt of this call.
+    /// Returns the idempotency key to send with the call, so that the other side can deduplicate
+    /// too; the same for every attempt of this call.
     pub fn idempotency_key(&self) -> IdempotencyKey {
         IdempotencyKey::new(&format!("{}/{}", self.consumer, self.name), &self.key)
     }

@@ -208,7 +208,9 @@ pub enum InboxError {
     /// session is free, so the statements sqlx prepares on one session are missing, or clash with
     /// another client's, in the next transaction. Open the inbox with
     /// [`Inbox::with_transaction_pooling`](crate::Inbox::with_transaction_pooling) (and the pool
-    /// as the README's "Running at scale" says), or connect directly or in session mode. Not
+    /// as the guide "Running at scale" says, in its section on PgBouncer:
+    /// <https://docs.rs/idempotent-inbox/latest/idempotent/guide/scale/index.html#pgbouncer>), or
+    /// connect directly or in session mode. Not
     /// retryable: found by [`Inbox::migrate`](crate::Inbox::migrate) at start-up.
     #[error(
         "a pooler in transaction mode sits between the inbox and the database; open the inbox with_transaction_pooling()"
@@ -238,10 +240,10 @@ pub enum InboxError {
 }
 
 impl InboxError {
-    /// Whether delivering the same message again may succeed: a serialization failure, a deadlock,
-    /// a busy, locked or full database, a lost connection or an exhausted pool, a call in progress
-    /// elsewhere, a transaction that ended with nothing committed. A consumer should redeliver these
-    /// after a back-off, and dead-letter the rest.
+    /// Returns whether delivering the same message again may succeed: a serialization failure, a
+    /// deadlock, a busy, locked or full database, a lost connection or an exhausted pool, a call in
+    /// progress elsewhere, a transaction that ended with nothing committed. A consumer should
+    /// redeliver these after a back-off, and dead-letter the rest.
     pub fn is_retryable(&self) -> bool {
         match self {
             InboxError::Database { fault, .. } => *fault != Fault::None,
@@ -292,7 +294,7 @@ pub enum Error<E> {
 }
 
 impl<E> Error<E> {
-    /// The handler's own error (of either kind), if that is what this is.
+    /// Returns the handler's own error (of either kind), if that is what this is.
     pub fn handler_error(&self) -> Option<&E> {
         match self {
             Error::Handler(e) | Error::Transient(e) => Some(e),
@@ -300,7 +302,7 @@ impl<E> Error<E> {
         }
     }
 
-    /// The inbox's error, if that is what this is.
+    /// Returns the inbox's error, if that is what this is.
     pub fn inbox_error(&self) -> Option<&InboxError> {
         match self {
             Error::Handler(_) | Error::Transient(_) => None,
@@ -308,8 +310,8 @@ impl<E> Error<E> {
         }
     }
 
-    /// Whether a redelivery of the message may succeed: [`Error::Transient`], or an inbox error
-    /// that [is retryable](InboxError::is_retryable). [`Error::Handler`] is the handler's to
+    /// Returns whether a redelivery of the message may succeed: [`Error::Transient`], or an inbox
+    /// error that [is retryable](InboxError::is_retryable). [`Error::Handler`] is the handler's to
     /// classify: `false` here.
     pub fn is_retryable(&self) -> bool {
         match self {

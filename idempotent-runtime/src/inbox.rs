@@ -96,7 +96,7 @@ pub enum Claim<DB: Backend> {
 }
 
 impl<DB: Backend> Inbox<DB> {
-    /// An inbox in the table `idempotent_inbox` of `pool`'s database, keeping rows for the
+    /// Creates an inbox in the table `idempotent_inbox` of `pool`'s database, keeping rows for the
     /// [default retention](Retention::DEFAULT). Call [`migrate`](Self::migrate) once at start-up to
     /// create the tables.
     pub fn new(pool: Pool<DB>) -> Self {
@@ -118,7 +118,7 @@ impl<DB: Backend> Inbox<DB> {
         }
     }
 
-    /// The same inbox for one worker that handles messages one after another: it keeps the
+    /// Returns the same inbox for one worker that handles messages one after another: it keeps the
     /// connection of each transaction that ended cleanly and begins the next one on it, instead of
     /// handing it back to the pool and taking one again. sqlx checks a connection with a round trip
     /// each time it goes back to the pool and, unless the pool was built with
@@ -136,7 +136,8 @@ impl<DB: Backend> Inbox<DB> {
     /// `idle_timeout` while they are kept.
     ///
     /// ```no_run
-    /// # async fn demo(inbox: idempotent_runtime::Inbox<sqlx::Postgres>) {
+    /// # use idempotent_runtime as idempotent;
+    /// # async fn demo(inbox: idempotent::Inbox<sqlx::Postgres>) {
     /// for _ in 0..4 {
     ///     let inbox = inbox.for_worker();
     ///     tokio::spawn(async move {
@@ -153,7 +154,7 @@ impl<DB: Backend> Inbox<DB> {
         }
     }
 
-    /// The same inbox in another table; `name` must pass [`TableName::new`].
+    /// Returns the same inbox in another table; `name` must pass [`TableName::new`].
     pub fn with_table(self, name: &str) -> Result<Self, InboxError> {
         let table = TableName::new(name)?;
         Ok(self.with_config(|config| Config {
@@ -180,17 +181,17 @@ impl<DB: Backend> Inbox<DB> {
         })
     }
 
-    /// The pool the inbox runs on.
+    /// Returns the pool the inbox runs on.
     pub fn pool(&self) -> &Pool<DB> {
         &self.pool
     }
 
-    /// The inbox table's name.
+    /// Returns the inbox table's name.
     pub fn table(&self) -> &TableName {
         &self.config.table
     }
 
-    /// What this inbox (and its clones) counted so far.
+    /// Returns what this inbox (and its clones) counted so far.
     pub fn metrics(&self) -> MetricsSnapshot {
         self.metrics.snapshot()
     }
@@ -384,7 +385,7 @@ impl<DB: Backend> Inbox<DB> {
         })
     }
 
-    /// How long rows are kept.
+    /// Returns how long rows are kept.
     pub fn retention(&self) -> &Retention {
         &self.config.retention
     }
@@ -414,7 +415,7 @@ impl<DB: Backend> Inbox<DB> {
         retention::purge(source, scope, batch_size, pause).await
     }
 
-    /// What [`purge_expired`](Self::purge_expired) would delete now, per consumer, without
+    /// Returns what [`purge_expired`](Self::purge_expired) would delete now, per consumer, without
     /// deleting anything (the CLI's `purge --dry-run`).
     pub async fn purge_preview(&self) -> Result<Vec<Expired>, InboxError> {
         let source = Source {
@@ -437,8 +438,8 @@ impl<DB: Backend> Inbox<DB> {
         })
     }
 
-    /// Whether the inbox records `key` as processed by `consumer` (committed claims only). `key`
-    /// is a [`MessageKey`] or any [`StableKey`](crate::StableKey) value.
+    /// Returns whether the inbox records `key` as processed by `consumer` (committed claims only).
+    /// `key` is a [`MessageKey`] or any [`StableKey`](crate::StableKey) value.
     pub async fn is_processed<K: AsMessageKey + ?Sized>(
         &self,
         consumer: &str,
@@ -491,21 +492,21 @@ impl<DB: Backend> fmt::Debug for Inbox<DB> {
 #[cfg(feature = "sqlite")]
 #[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
 impl Inbox<sqlx::Sqlite> {
-    /// An inbox in a private in-memory SQLite database, migrated, for the unit tests of your own
-    /// handlers (those taking `&mut sqlx::SqliteConnection`): create your tables on
-    /// [`pool()`](Inbox::pool) and call the handlers with it. The database has one
-    /// connection, so concurrent calls take turns (one that waits more than 5 seconds for it fails
-    /// with a retryable pool timeout), and it is gone when the last clone is dropped. A worker's
-    /// inbox ([`for_worker`](Inbox::for_worker)) keeps that connection between its
-    /// messages, and the inbox's own reads use it too, but your queries on the pool wait until the
-    /// worker's inbox is dropped.
-    /// It behaves like the file-based inbox (the conformance suite runs on it), but it proves
-    /// nothing about your production database.
+    /// Creates an inbox in a private in-memory SQLite database, migrated, for the unit tests of
+    /// your own handlers (those taking `&mut sqlx::SqliteConnection`): create your tables on
+    /// [`pool()`](Inbox::pool) and call the handlers with it. The database has one connection, so
+    /// concurrent calls take turns (one that waits more than 5 seconds for it fails with a
+    /// retryable pool timeout), and it is gone when the last clone is dropped. A worker's inbox
+    /// ([`for_worker`](Inbox::for_worker)) keeps that connection between its messages, and the
+    /// inbox's own reads use it too, but your queries on the pool wait until the worker's inbox is
+    /// dropped. It behaves like the file-based inbox (the conformance suite runs on it), but it
+    /// proves nothing about your production database.
     ///
     /// ```
+    /// # use idempotent_runtime as idempotent;
     /// # #[tokio::main(flavor = "current_thread")]
     /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    /// let inbox = idempotent_runtime::Inbox::<sqlx::Sqlite>::in_memory().await?;
+    /// let inbox = idempotent::Inbox::<sqlx::Sqlite>::in_memory().await?;
     /// sqlx::query("CREATE TABLE orders (id INTEGER PRIMARY KEY)").execute(inbox.pool()).await?;
     /// # Ok(()) }
     /// ```
@@ -531,17 +532,18 @@ impl Inbox<sqlx::Sqlite> {
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 impl Inbox<sqlx::Postgres> {
-    /// The same inbox, sending the claim in one message with its `BEGIN`: one round trip less per
-    /// message, at the price the [`postgres` module docs](crate::postgres) describe (a committed duplicate is reported by
-    /// the server as a unique violation, which it logs at `ERROR` with the statement, and leaves a
-    /// dead row version). Both claims wait for a concurrent claim of the same key in the same way.
-    /// (Only PostgreSQL has it: its protocol lets the claim ride in the `BEGIN`'s message while
-    /// the inbox still learns the outcome, from the statement's error.)
+    /// Returns the same inbox, sending the claim in one message with its `BEGIN`: one round trip
+    /// less per message, at the price the [`postgres` module docs](crate::postgres) describe (a
+    /// committed duplicate is reported by the server as a unique violation, which it logs at
+    /// `ERROR` with the statement, and leaves a dead row version). Both claims wait for a
+    /// concurrent claim of the same key in the same way. (Only PostgreSQL has it: its protocol lets
+    /// the claim ride in the `BEGIN`'s message while the inbox still learns the outcome, from the
+    /// statement's error.)
     pub fn with_pipelined_claim(self) -> Self {
         self.with_settings(|_| crate::store::postgres::pipelined())
     }
 
-    /// The same inbox, for a pool whose connections go through a pooler in transaction mode
+    /// Returns the same inbox, for a pool whose connections go through a pooler in transaction mode
     /// (PgBouncer's `pool_mode = transaction`), which hands each transaction whichever server
     /// session is free. The inbox then prepares none of its statements, runs those it sends
     /// outside a handler's transaction (a duplicate's stored response, [`is_processed`](Self::is_processed),
@@ -551,8 +553,9 @@ impl Inbox<sqlx::Postgres> {
     /// said. Without it, [`migrate`](Self::migrate) refuses such a pool with
     /// [`InboxError::TransactionPooling`].
     ///
-    /// The handlers' own statements need the same care: see the crate's README ("Running at
-    /// scale") for the pool's and PgBouncer's settings that make sqlx work through such a pooler.
+    /// The handlers' own statements need the same care: the guide "Running at scale" gives the
+    /// pool's and PgBouncer's settings that make sqlx work through such a pooler
+    /// (<https://docs.rs/idempotent-inbox/latest/idempotent/guide/scale/index.html#pgbouncer>).
     pub fn with_transaction_pooling(self) -> Self {
         self.with_config(|config| Config {
             statements: config.statements.clone().with_pooling(true),
@@ -628,31 +631,31 @@ impl<DB: Backend> Claimed<DB> {
         .map_err(database_error(Stage::StoreResponse))
     }
 
-    /// The transaction's connection, for the handler's own statements.
+    /// Returns the transaction's connection, for the handler's own statements.
     pub fn connection(&mut self) -> &mut DB::Connection {
         self.tx.connection()
     }
 
-    /// The messages to send with this transaction: [`commit`](Self::commit) writes them to the
-    /// [outbox](crate::outbox) table before it commits, so that they commit with the handler's
+    /// Returns the messages to send with this transaction: [`commit`](Self::commit) writes them to
+    /// the [outbox](crate::outbox) table before it commits, so that they commit with the handler's
     /// work. Their ids derive from the consumer, the key and their position.
     pub fn outbox(&mut self) -> &mut Outbox {
         &mut self.outbox
     }
 
-    /// The transaction's connection and the outbox, both at once (what a handler with an
+    /// Returns the transaction's connection and the outbox, both at once (what a handler with an
     /// `outbox: &mut Outbox` parameter is handed).
     pub fn connection_and_outbox(&mut self) -> (&mut DB::Connection, &mut Outbox) {
         (self.tx.connection(), &mut self.outbox)
     }
 
-    /// The claimed key.
+    /// Returns the claimed key.
     pub fn key(&self) -> &MessageKey {
         &self.key
     }
 
-    /// The key to pass on to an outside service that deduplicates by idempotency key; the same on
-    /// every delivery of this message to this consumer.
+    /// Returns the key to pass on to an outside service that deduplicates by idempotency key; the
+    /// same on every delivery of this message to this consumer.
     pub fn idempotency_key(&self) -> IdempotencyKey {
         IdempotencyKey::new(&self.consumer, &self.key)
     }
@@ -815,17 +818,17 @@ pub enum Handled<T> {
 }
 
 impl<T> Handled<T> {
-    /// Whether this call ran the body.
+    /// Returns whether this call ran the body.
     pub fn is_processed(&self) -> bool {
         matches!(self, Handled::Processed(_))
     }
 
-    /// Whether the message had been processed before.
+    /// Returns whether the message had been processed before.
     pub fn is_duplicate(&self) -> bool {
         matches!(self, Handled::Duplicate { .. })
     }
 
-    /// The body's value, if this call ran it.
+    /// Returns the body's value, if this call ran it.
     pub fn processed(self) -> Option<T> {
         match self {
             Handled::Processed(value) => Some(value),
@@ -833,7 +836,7 @@ impl<T> Handled<T> {
         }
     }
 
-    /// The body's value: this call's, or the first call's stored response.
+    /// Returns the body's value: this call's, or the first call's stored response.
     pub fn value(self) -> Option<T> {
         match self {
             Handled::Processed(value) => Some(value),

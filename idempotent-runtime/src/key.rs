@@ -45,7 +45,8 @@ const TAG_HASHED: u8 = 0xFF;
 /// A newtype of your own opts in by delegating to its inner value:
 ///
 /// ```
-/// use idempotent_runtime::{KeyBuilder, StableKey};
+/// # use idempotent_runtime as idempotent;
+/// use idempotent::{KeyBuilder, StableKey};
 ///
 /// struct PaymentId(String);
 ///
@@ -81,7 +82,7 @@ pub struct KeyBuilder {
 }
 
 impl KeyBuilder {
-    /// A builder with no components yet.
+    /// Creates a builder with no components yet.
     pub fn new() -> Self {
         Self::default()
     }
@@ -217,19 +218,19 @@ pub struct MessageKey {
 }
 
 impl MessageKey {
-    /// The bytes stored in the inbox's `key` column.
+    /// Returns the bytes stored in the inbox's `key` column.
     pub fn as_bytes(&self) -> &[u8] {
         &self.stored
     }
 
-    /// Whether the key was long enough to be stored as its digest.
+    /// Returns whether the key was long enough to be stored as its digest.
     pub fn is_hashed(&self) -> bool {
         self.stored.first() == Some(&TAG_HASHED)
     }
 
-    /// The key from the bytes the inbox stores (as [`Display`](fmt::Display) shows them in hex,
-    /// and as listings return them): for operators' tools that find a stored row again. Refuses
-    /// no bytes but the empty ones.
+    /// Returns the key from the bytes the inbox stores (as [`Display`](fmt::Display) shows them in
+    /// hex, and as listings return them): for operators' tools that find a stored row again.
+    /// Refuses no bytes but the empty ones.
     pub fn from_stored(bytes: Vec<u8>) -> Result<Self, KeyError> {
         if bytes.is_empty() {
             return Err(KeyError::Empty { component: 0 });
@@ -237,8 +238,8 @@ impl MessageKey {
         Ok(Self { stored: bytes })
     }
 
-    /// When the message was sent, if its key says: a key that is one version 7 UUID carries the
-    /// time it was made.
+    /// Returns when the message was sent, if its key says: a key that is one version 7 UUID carries
+    /// the time it was made.
     pub fn sent_at(&self) -> Option<std::time::SystemTime> {
         match self.stored.split_first() {
             Some((&TAG_UUID, bytes)) => {
@@ -249,14 +250,14 @@ impl MessageKey {
         }
     }
 
-    /// The SHA-256 of the stored bytes, in 64 hex digits; [`digest`](Self::digest) is its first
-    /// 12. The audit of a forgotten message records it.
+    /// Returns the SHA-256 of the stored bytes, in 64 hex digits; [`digest`](Self::digest) is its
+    /// first 12. The audit of a forgotten message records it.
     pub fn full_digest(&self) -> String {
         hex(&Sha256::digest(&self.stored))
     }
 
-    /// A short, fixed-length name for the key in logs and traces: the first 12 hex digits of the
-    /// SHA-256 of the stored bytes (keys themselves may be long or sensitive).
+    /// Returns a short, fixed-length name for the key in logs and traces: the first 12 hex digits
+    /// of the SHA-256 of the stored bytes (keys themselves may be long or sensitive).
     pub fn digest(&self) -> String {
         hex(&Sha256::digest(&self.stored)[..6])
     }
@@ -283,7 +284,7 @@ pub(crate) fn hex(bytes: &[u8]) -> String {
 pub struct IdempotencyKey(String);
 
 impl IdempotencyKey {
-    /// The idempotency key of `key` for `consumer`.
+    /// Returns the idempotency key of `key` for `consumer`.
     pub fn new(consumer: &str, key: &MessageKey) -> Self {
         let mut hasher = Sha256::new();
         hasher.update((consumer.len() as u64).to_be_bytes());
@@ -292,7 +293,7 @@ impl IdempotencyKey {
         Self(hex(&hasher.finalize()))
     }
 
-    /// The key as text.
+    /// Returns the key as text.
     pub fn as_str(&self) -> &str {
         &self.0
     }

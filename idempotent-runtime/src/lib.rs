@@ -1,7 +1,8 @@
 //! The runtime behind `#[idempotent]`: the [`Inbox`], its stores, key encoding and errors.
 //!
-//! Depend on the `idempotent-inbox` crate, which re-exports all of this together with the
-//! attribute; this crate is its implementation. See that crate's documentation for the guide.
+//! Depend on the `idempotent-inbox` crate (its library is `idempotent`), which re-exports all of
+//! this together with the attribute; this crate is its implementation. That crate's documentation
+//! has the guides: <https://docs.rs/idempotent-inbox/latest/idempotent/guide/index.html>.
 #![warn(missing_docs, unreachable_pub)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 

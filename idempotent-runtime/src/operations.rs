@@ -93,7 +93,7 @@ impl Default for Listing {
 }
 
 impl Listing {
-    /// Every message, 100 per page.
+    /// Creates a listing of every message, 100 per page.
     pub fn new() -> Self {
         Self {
             since: None,
@@ -103,7 +103,7 @@ impl Listing {
         }
     }
 
-    /// Only messages processed at or after `time`.
+    /// Returns the listing narrowed to messages processed at or after `time`.
     pub fn since(self, time: SystemTime) -> Self {
         Self {
             since: Some(time),
@@ -111,7 +111,7 @@ impl Listing {
         }
     }
 
-    /// Only messages processed before `time`.
+    /// Returns the listing narrowed to messages processed before `time`.
     pub fn until(self, time: SystemTime) -> Self {
         Self {
             until: Some(time),
@@ -119,7 +119,7 @@ impl Listing {
         }
     }
 
-    /// The page after the one `cursor` ended.
+    /// Returns the listing narrowed to the page after the one `cursor` ended.
     pub fn after(self, cursor: Cursor) -> Self {
         Self {
             after: Some(cursor),
@@ -127,7 +127,7 @@ impl Listing {
         }
     }
 
-    /// At most `limit` messages per page (at least 1).
+    /// Returns the listing with at most `limit` messages per page (at least 1).
     pub fn limit(self, limit: usize) -> Self {
         Self {
             limit: limit.max(1),
@@ -222,8 +222,8 @@ impl<DB: Backend> Inbox<DB> {
             .map_err(database_error(Stage::Inspect))
     }
 
-    /// The inbox's record of `consumer`'s message `key`, if it was processed (and not purged or
-    /// forgotten since).
+    /// Returns the inbox's record of `consumer`'s message `key`, if it was processed (and not
+    /// purged or forgotten since).
     pub async fn inspect<K: AsMessageKey + ?Sized>(
         &self,
         consumer: &str,
@@ -251,7 +251,7 @@ impl<DB: Backend> Inbox<DB> {
         }))
     }
 
-    /// A page of `consumer`'s processed messages, oldest first, as `listing` selects them.
+    /// Returns a page of `consumer`'s processed messages, oldest first, as `listing` selects them.
     pub async fn list(&self, consumer: &str, listing: Listing) -> Result<Page, InboxError> {
         check_consumer(consumer)?;
         let range = (
@@ -395,8 +395,8 @@ impl<DB: Backend> Inbox<DB> {
         Ok(true)
     }
 
-    /// The newest audit rows of messages forgotten on purpose, of `consumer` or (with `None`) of
-    /// every consumer; at most `limit`.
+    /// Returns the newest audit rows of messages forgotten on purpose, of `consumer` or (with
+    /// `None`) of every consumer; at most `limit`.
     pub async fn audit(
         &self,
         consumer: Option<&str>,
@@ -430,8 +430,8 @@ impl<DB: Backend> Inbox<DB> {
             .collect())
     }
 
-    /// What the inbox holds, per consumer (ordered by name): rows, the oldest row, the purge
-    /// horizon, pending and stuck calls.
+    /// Returns what the inbox holds, per consumer (ordered by name): rows, the oldest row, the
+    /// purge horizon, pending and stuck calls.
     pub async fn stats(&self) -> Result<Vec<ConsumerStats>, InboxError> {
         let mut session = self.read_session().await?;
         let (rows, calls, horizons) = DB::stats(session.start_step(), &self.config.statements)

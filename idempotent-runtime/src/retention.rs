@@ -57,7 +57,7 @@ impl Retention {
     /// How long sent outgoing messages are kept by default: 24 hours.
     pub const DEFAULT_OUTBOX: Duration = Duration::from_secs(24 * 60 * 60);
 
-    /// How long the [outbox](crate::outbox)'s sent messages are kept after they were sent
+    /// Returns how long the [outbox](crate::outbox)'s sent messages are kept after they were sent
     /// (default [`DEFAULT_OUTBOX`](Self::DEFAULT_OUTBOX);
     /// [`Inbox::with_outbox_retention`](crate::Inbox::with_outbox_retention) changes it). Pending
     /// and parked messages are never purged.
@@ -65,7 +65,7 @@ impl Retention {
         self.outbox
     }
 
-    /// The margin between a producer's clock, which stamps a message's send time, and the
+    /// Returns the margin between a producer's clock, which stamps a message's send time, and the
     /// database's, which sets the purge horizon: a message is refused as older than the horizon
     /// when it was sent before the horizon plus this margin. A producer whose clock runs ahead of
     /// the database's by less than the margin cannot slip a purged message past the check; the
@@ -77,7 +77,7 @@ impl Retention {
         self.skew_margin
     }
 
-    /// How long `consumer`'s rows are kept.
+    /// Returns how long `consumer`'s rows are kept.
     pub fn of(&self, consumer: &str) -> Duration {
         self.per_consumer
             .get(consumer)
@@ -138,7 +138,7 @@ impl Default for PurgerOptions {
 }
 
 impl PurgerOptions {
-    /// The defaults, with another interval.
+    /// Creates the default options with another interval.
     pub fn every(interval: Duration) -> Self {
         Self {
             interval,
@@ -146,7 +146,7 @@ impl PurgerOptions {
         }
     }
 
-    /// These options with another batch size.
+    /// Returns these options with another batch size.
     pub fn batch_size(self, batch_size: usize) -> Self {
         Self { batch_size, ..self }
     }

@@ -14,7 +14,8 @@ use std::fmt;
 /// with [`Retryable::new`]; `?` then converts it:
 ///
 /// ```
-/// use idempotent_runtime::Retryable;
+/// # use idempotent_runtime as idempotent;
+/// use idempotent::Retryable;
 ///
 /// #[derive(Debug, thiserror::Error)]
 /// enum ShopError {
@@ -44,7 +45,7 @@ impl Retryable {
         Self(error.into())
     }
 
-    /// The error it marks.
+    /// Returns the error it marks.
     pub fn get_ref(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
         self.0.as_ref()
     }

@@ -50,7 +50,7 @@ pub struct Migration {
     pub to: u32,
 }
 
-/// The SQL that brings `table`'s tables from version `from` (0: no tables) to
+/// Returns the SQL that brings `table`'s tables from version `from` (0: no tables) to
 /// [`CURRENT_VERSION`] on the database `DB`, ending with the row that records the version: for
 /// teams that run their own migrations. Statements that create something create it only if it is
 /// missing, except where the database has no such clause (SQLite and MySQL's `ADD COLUMN`, MySQL's

@@ -43,7 +43,7 @@ impl TableName {
         }
     }
 
-    /// The name as given.
+    /// Returns the name as given.
     pub fn as_str(&self) -> &str {
         &self.0
     }

@@ -1,47 +1,18 @@
 //! Broker runners: what a consumer does with each outcome, written once.
 //!
-//! A runner takes deliveries from a broker (a RabbitMQ queue, a NATS JetStream pull consumer),
-//! hands each to a handler (typically an `#[idempotent]` function called with a worker's inbox),
-//! and settles the delivery by the outcome, only once the outcome is known:
+//! A runner takes deliveries from a broker (a RabbitMQ queue, a NATS JetStream pull consumer: the
+//! `rabbitmq` and `nats` modules), hands each [`Message`] to a handler (typically an
+//! `#[idempotent]` function called with a worker's inbox, made with
+//! [`Inbox::for_worker`](crate::Inbox::for_worker)), and settles the delivery only once the outcome
+//! is known: acknowledged when processed or a duplicate, delivered again after a back-off
+//! ([`RetryPolicy`]) when the error [is retryable](crate::Error::is_retryable) and attempts are
+//! left, dead-lettered otherwise. A [`Shutdown`] token stops it gracefully; it ends with a
+//! [`BrokerError`] only when it cannot go on, never because its broker restarted.
 //!
-//! | outcome | the runner |
-//! |---|---|
-//! | `Ok(Processed)`, `Ok(Duplicate)` | acknowledges the delivery |
-//! | an error that [is retryable](crate::Error::is_retryable), attempts left | has the broker deliver it again after a back-off ([`RetryPolicy`]), never at once |
-//! | a retryable error on the last attempt, any other error | dead-letters it, with the reason and the attempt count in its headers; never an acknowledgement that loses it silently |
-//! | a message without the producer's id | dead-letters it: it has no key |
-//!
-//! A body's error is retryable when the database failed under it, or when the body marked it so
-//! with [`Retryable`](crate::Retryable) among its sources (a downstream 503, a timeout calling
-//! another service): in one-message and batch mode alike. Attempts count this runner's own
-//! deliveries only (see each broker's module): a header a producer sets does not shorten them, and
-//! a dead letter put back on purpose starts again.
-//!
-//! Workers run concurrently, each with a handler of its own (make each one's inbox with
-//! [`Inbox::for_worker`](crate::Inbox::for_worker)), one delivery at a time; the runner asks the
-//! broker for no more deliveries than there are workers. A [`Shutdown`] token stops it gracefully:
-//! it takes no more deliveries, lets those in flight finish and settles them, then returns; a
-//! delivery whose effect was committed is acknowledged before the runner returns.
-//!
-//! **Restarts are weather.** A runner does not end because its broker went away: it reconnects by
-//! itself (a capped, jittered back-off between attempts, from 100 ms to 5 s), says so through
-//! `tracing` (`warn` when the broker is lost, `info` when it is back) and counts it
-//! ([`RunnerStats::reconnects`] and the
-//! [`idempotent_runner_reconnects_total`](crate::metrics::RUNNER_RECONNECTS) counter). It returns an
-//! error only when it cannot go on ([`BrokerError`]): its queue or consumer was deleted
-//! ([`BrokerError::Cancelled`], never `Ok`), or its setup is wrong, found at start before any
-//! delivery is taken (a NATS consumer without explicit acks, a dead-letter target that does not
-//! work).
-//!
-//! **One bad thing stays one bad thing.** A retry or dead letter the broker does not take (it is
-//! unroutable, refused, or not confirmed within the runner's publish timeout, 10 s by default, as
-//! during a memory alarm) does not stop the runner: that delivery goes back to the broker after a
-//! back-off of its own (1 s, doubling per failure of that message, at most a minute; counted in
-//! [`RunnerStats::released`]), and the others flow.
-//!
-//! The handler receives a [`Message`]: the producer's id ([`MessageId`], the key to use), the
-//! payload and headers, and the broker's per-delivery facts in types that are not
-//! [`StableKey`]s, so that keying on them is a compile error.
+//! The guide "Brokers and runners" says what each outcome does on each broker, how restarts and
+//! unpublishable retries are handled, batch mode, and what is tested: `idempotent::guide::brokers`
+//! in the `idempotent-inbox` crate
+//! (<https://docs.rs/idempotent-inbox/latest/idempotent/guide/brokers/index.html>).
 
 use std::fmt;
 use std::future::Future;
@@ -93,7 +64,8 @@ impl Default for RetryPolicy {
 }
 
 impl RetryPolicy {
-    /// `max_attempts` attempts, the first retry after `first_delay`, each later one twice as late.
+    /// Creates a policy of `max_attempts` attempts, the first retry after `first_delay`, each later
+    /// one twice as late.
     pub fn new(max_attempts: u32, first_delay: Duration) -> Self {
         Self {
             max_attempts: max_attempts.max(1),
@@ -102,20 +74,20 @@ impl RetryPolicy {
         }
     }
 
-    /// The same policy with another multiplier.
+    /// Returns the same policy with another multiplier.
     pub fn multiplier(self, multiplier: f64) -> Self {
         Self { multiplier, ..self }
     }
 
-    /// The same policy with another longest delay.
+    /// Returns the same policy with another longest delay.
     pub fn max_delay(self, max_delay: Duration) -> Self {
         Self { max_delay, ..self }
     }
 
-    /// How long to wait before attempt `attempt + 1`, after attempt `attempt` (counting from 1)
-    /// failed: `first_delay` times `multiplier` to the power `attempt - 1`, and never more than
-    /// `max_delay`. Any input gives an answer (no overflow, no panic), and the answers never shrink
-    /// as `attempt` grows.
+    /// Returns how long to wait before attempt `attempt + 1`, after attempt `attempt` (counting
+    /// from 1) failed: `first_delay` times `multiplier` to the power `attempt - 1`, and never more
+    /// than `max_delay`. Any input gives an answer (no overflow, no panic), and the answers never
+    /// shrink as `attempt` grows.
     pub fn delay_after(&self, attempt: u32) -> Duration {
         // NaN and anything below 1 count as 1 (`max` ignores NaN): delays never shrink.
         let multiplier = self.multiplier.max(1.0);
@@ -156,7 +128,7 @@ pub enum Route {
 }
 
 impl Route {
-    /// The route of a delivery on its `attempt`-th attempt (counting from 1) whose handler
+    /// Returns the route of a delivery on its `attempt`-th attempt (counting from 1) whose handler
     /// returned `outcome`.
     pub fn of<T, E: fmt::Display>(
         outcome: &Result<Handled<T>, Error<E>>,
@@ -282,7 +254,7 @@ pub struct Message {
 }
 
 impl Message {
-    /// The value of header `name`, if it is there and text.
+    /// Returns the value of header `name`, if it is there and text.
     pub fn header(&self, name: &str) -> Option<&str> {
         self.headers
             .iter()

@@ -120,8 +120,8 @@ impl fmt::Debug for Runner {
 }
 
 impl Runner {
-    /// A runner on `consumer`, dead-lettering to `dead_letters` (a subject a stream captures), with
-    /// one worker and the default [`RetryPolicy`].
+    /// Creates a runner on `consumer`, dead-lettering to `dead_letters` (a subject a stream
+    /// captures), with one worker and the default [`RetryPolicy`].
     pub fn new(
         jetstream: jetstream::Context,
         consumer: PullConsumer,
@@ -169,7 +169,8 @@ impl Runner {
         self
     }
 
-    /// What the runner counted so far; the same counters [`run`](Self::run) returns at the end.
+    /// Returns what the runner counted so far; the same counters [`run`](Self::run) returns at the
+    /// end.
     pub fn stats(&self) -> impl Fn() -> RunnerStats + Send + Sync + 'static {
         self.options.stats()
     }

@@ -152,8 +152,8 @@ impl fmt::Debug for Runner {
 }
 
 impl Runner {
-    /// A runner consuming `queue` on a connection it makes to `url` (`amqp://…`), and makes again
-    /// whenever it is lost; with one worker, the default [`RetryPolicy`] and dead letters to
+    /// Creates a runner consuming `queue` on a connection it makes to `url` (`amqp://…`), and makes
+    /// again whenever it is lost; with one worker, the default [`RetryPolicy`] and dead letters to
     /// `<queue>.dead`. The queue must exist.
     pub fn connect(url: impl Into<String>, queue: impl Into<String>) -> Self {
         let url: Arc<str> = url.into().into();
@@ -166,7 +166,7 @@ impl Runner {
         )
     }
 
-    /// A runner consuming `queue` on connections `connect` makes (for TLS, or connection
+    /// Creates a runner consuming `queue` on connections `connect` makes (for TLS, or connection
     /// properties of your own): one at start, and a new one whenever the last one is lost.
     pub fn with_connector<F, Fut>(connect: F, queue: impl Into<String>) -> Self
     where
@@ -177,9 +177,10 @@ impl Runner {
         Self::from_source(Source::Connector(connector), queue.into())
     }
 
-    /// A runner consuming `queue` on `channel`, with one worker, the default [`RetryPolicy`] and
-    /// dead letters to `<queue>.dead`. The queue must exist. It cannot reconnect: when the channel
-    /// is lost it returns [`BrokerError::Broker`]. Prefer [`connect`](Self::connect).
+    /// Creates a runner consuming `queue` on `channel`, with one worker, the default
+    /// [`RetryPolicy`] and dead letters to `<queue>.dead`. The queue must exist. It cannot
+    /// reconnect: when the channel is lost it returns [`BrokerError::Broker`]. Prefer
+    /// [`connect`](Self::connect).
     pub fn new(channel: Channel, queue: impl Into<String>) -> Self {
         Self::from_source(Source::Channel(Some(channel)), queue.into())
     }
@@ -236,12 +237,13 @@ impl Runner {
         self
     }
 
-    /// What the runner counted so far; the same counters [`run`](Self::run) returns at the end.
+    /// Returns what the runner counted so far; the same counters [`run`](Self::run) returns at the
+    /// end.
     pub fn stats(&self) -> impl Fn() -> RunnerStats + Send + Sync + 'static {
         self.options.stats()
     }
 
-    /// The queue dead letters go to.
+    /// Returns the queue dead letters go to.
     pub fn dead_letters(&self) -> String {
         self.dead_letter_queue
             .clone()

@@ -48,7 +48,8 @@ impl<DB: HttpBackend> Slot<DB> {
 /// was made with [`IdempotencyLayer::transactional`](super::IdempotencyLayer::transactional).
 ///
 /// ```no_run
-/// # use idempotent_runtime::http::IdempotentTx;
+/// # use idempotent_runtime as idempotent;
+/// # use idempotent::http::IdempotentTx;
 /// # use axum_core::response::IntoResponse;
 /// async fn create_payment(mut tx: IdempotentTx<sqlx::Postgres>) -> impl IntoResponse {
 ///     sqlx::query("INSERT INTO payments (amount) VALUES (100)")
@@ -72,12 +73,12 @@ pub struct IdempotentTx<DB: HttpBackend> {
 }
 
 impl<DB: HttpBackend> IdempotentTx<DB> {
-    /// The transaction's connection, for the handler's statements.
+    /// Returns the transaction's connection, for the handler's statements.
     pub fn connection(&mut self) -> &mut DB::Connection {
         self.claimed_mut().connection()
     }
 
-    /// The claimed transaction.
+    /// Returns the claimed transaction.
     pub fn claimed_mut(&mut self) -> &mut Claimed<DB> {
         self.claimed
             .as_mut()
@@ -135,23 +136,23 @@ pub struct RequestKey {
 }
 
 impl RequestKey {
-    /// The key as the client sent it (unquoted).
+    /// Returns the key as the client sent it (unquoted).
     pub fn key(&self) -> &str {
         &self.key
     }
 
-    /// The client the key belongs to, as the route's scope function named it.
+    /// Returns the client the key belongs to, as the route's scope function named it.
     pub fn scope(&self) -> &str {
         &self.scope
     }
 
-    /// The inbox key: the scope and the key.
+    /// Returns the inbox key: the scope and the key.
     pub fn message_key(&self) -> &MessageKey {
         &self.stored
     }
 
-    /// A key to send to an outside service as its idempotency key: the same for every retry of
-    /// this request by this client, and different for every other client and key.
+    /// Returns a key to send to an outside service as its idempotency key: the same for every retry
+    /// of this request by this client, and different for every other client and key.
     pub fn idempotency_key(&self) -> IdempotencyKey {
         IdempotencyKey::new(&self.consumer, &self.stored)
     }

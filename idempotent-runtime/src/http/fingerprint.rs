@@ -18,7 +18,8 @@ use sha2::{Digest, Sha256};
 /// it (a `Content-Type` that decides how the body is read):
 ///
 /// ```
-/// # use idempotent_runtime::http::Fingerprint;
+/// # use idempotent_runtime as idempotent;
+/// # use idempotent::http::Fingerprint;
 /// let fingerprint = Fingerprint::default()
 ///     .without_query()
 ///     .with_header(http::header::CONTENT_TYPE);

@@ -113,7 +113,7 @@ pub const DEFAULT_MAX_REQUEST_BODY: usize = 2 * 1024 * 1024;
 pub const DEFAULT_MAX_STORED_BODY: usize = 256 * 1024;
 
 impl<DB: HttpBackend> IdempotencyLayer<DB> {
-    /// A layer whose routes' handlers write to the inbox's database: each request's key is
+    /// Creates a layer whose routes' handlers write to the inbox's database: each request's key is
     /// claimed in a transaction that the handler takes with the
     /// [`IdempotentTx`](super::IdempotentTx) extractor, and its effect, the key and the stored
     /// response commit together after the handler answered. A handler may also leave the
@@ -131,12 +131,12 @@ impl<DB: HttpBackend> IdempotencyLayer<DB> {
         Self::with_mode(inbox, Arc::new(scope), Mode::Transaction)
     }
 
-    /// A layer whose routes' handlers do not write to the inbox's database (they call a payment
-    /// provider, send an email): before the handler runs, the key is recorded as a pending call
-    /// with `lease` (see [`calls`](crate::calls)), in a transaction of its own, and the stored
-    /// response is committed when the handler answered. A request whose handler died
-    /// mid-way (a crash) holds its key until the lease runs out; after that a retry runs the handler
-    /// again. Choose a lease longer than the handler ever takes, and pass
+    /// Creates a layer whose routes' handlers do not write to the inbox's database (they call a
+    /// payment provider, send an email): before the handler runs, the key is recorded as a pending
+    /// call with `lease` (see [`calls`](crate::calls)), in a transaction of its own, and the stored
+    /// response is committed when the handler answered. A request whose handler died mid-way (a
+    /// crash) holds its key until the lease runs out; after that a retry runs the handler again.
+    /// Choose a lease longer than the handler ever takes, and pass
     /// [`RequestKey::idempotency_key`](super::RequestKey::idempotency_key) on to the services it
     /// calls. `scope` as for [`transactional`](Self::transactional). A lease that is zero or longer
     /// than [`MAX_CALL_LEASE`] is [`InboxError::Lease`].
@@ -195,10 +195,10 @@ impl<DB: HttpBackend> IdempotencyLayer<DB> {
         }
     }
 
-    /// The consumer name of the layer's inbox rows (`"http"` by default). Use the name for HTTP
-    /// keys only: a message consumer of the same name would share their records. Two layers of
-    /// one API share a name, so that a key cannot be used on two routes (their fingerprints
-    /// differ: `422`); give separate APIs separate names.
+    /// Sets the consumer name of the layer's inbox rows (`"http"` by default). Use the name for
+    /// HTTP keys only: a message consumer of the same name would share their records. Two layers of
+    /// one API share a name, so that a key cannot be used on two routes (their fingerprints differ:
+    /// `422`); give separate APIs separate names.
     pub fn consumer(self, name: &str) -> Result<Self, InboxError> {
         check_consumer(name)?;
         Ok(self.configure(|config| config.consumer = name.into()))
@@ -210,23 +210,23 @@ impl<DB: HttpBackend> IdempotencyLayer<DB> {
         self.configure(|config| config.require_key = false)
     }
 
-    /// The longest key accepted, in characters (255 by default); a longer one is a `400`.
+    /// Sets the longest key accepted, in characters (255 by default); a longer one is a `400`.
     pub fn max_key_len(self, max: usize) -> Self {
         self.configure(|config| config.max_key_len = max)
     }
 
-    /// What of a request its fingerprint covers (method, path, query and body by default).
+    /// Sets what of a request its fingerprint covers (method, path, query and body by default).
     pub fn fingerprint(self, fingerprint: Fingerprint) -> Self {
         self.configure(|config| config.fingerprint = fingerprint)
     }
 
-    /// The longest request body accepted, in bytes: the layer reads the whole body to
+    /// Sets the longest request body accepted, in bytes: the layer reads the whole body to
     /// fingerprint it before the handler runs. A longer one is a `413` (2 MiB by default).
     pub fn max_request_body(self, max: usize) -> Self {
         self.configure(|config| config.max_request_body = max)
     }
 
-    /// The longest response body stored, in bytes (256 KiB by default). A longer or endless
+    /// Sets the longest response body stored, in bytes (256 KiB by default). A longer or endless
     /// (streamed) body is passed on to the client as it comes, and its response is stored
     /// without it: a replay has the stored status and headers, an empty body and
     /// `Idempotent-Body-Omitted: true`.
@@ -234,7 +234,7 @@ impl<DB: HttpBackend> IdempotencyLayer<DB> {
         self.configure(|config| config.max_stored_body = max)
     }
 
-    /// Which responses are stored, by status ([`stored_by_default`](super::stored_by_default)
+    /// Sets which responses are stored, by status ([`stored_by_default`](super::stored_by_default)
     /// unless configured). A response that is not stored leaves nothing behind: the transaction
     /// rolls back, or the pending call is released, so that a retry runs the handler again.
     pub fn store_when(self, store: impl Fn(StatusCode) -> bool + Send + Sync + 'static) -> Self {
@@ -251,19 +251,19 @@ impl<DB: HttpBackend> IdempotencyLayer<DB> {
         })
     }
 
-    /// The `Retry-After` of a `409` when the other request's end is unknown (on transactional
+    /// Sets the `Retry-After` of a `409` when the other request's end is unknown (on transactional
     /// routes): 1 second by default. (Under a lease it is the rest of the lease.)
     pub fn retry_after(self, after: Duration) -> Self {
         self.configure(|config| config.retry_after = after)
     }
 
-    /// How long stored responses are kept (24 hours by default); the purge of
+    /// Sets how long stored responses are kept (24 hours by default); the purge of
     /// [`inbox`](Self::inbox) deletes them after that, and a request with the key runs again.
     pub fn retention(self, retention: Duration) -> Self {
         self.configure(|config| config.retention = retention)
     }
 
-    /// How long a leased route's client waits for its response to be stored when the database
+    /// Sets how long a leased route's client waits for its response to be stored when the database
     /// cannot store it for now (a lock held elsewhere, a connection lost): 5 seconds by default.
     /// After that the client gets `503` with `Retry-After` (`idempotency_store_pending`) instead
     /// of the handler's response, and the layer goes on storing it, keeping the call's lease
@@ -281,8 +281,8 @@ impl<DB: HttpBackend> IdempotencyLayer<DB> {
         self.configure(|config| config.documentation = Some(Documentation::new(&uri)))
     }
 
-    /// The inbox the layer stores responses in: the one it was made with, keeping the layer's
-    /// rows for its [`retention`](Self::retention). Spawn the purger from this one
+    /// Returns the inbox the layer stores responses in: the one it was made with, keeping the
+    /// layer's rows for its [`retention`](Self::retention). Spawn the purger from this one
     /// (`layer.inbox().spawn_purger(…)`), or give yours the same retention for the layer's
     /// consumer.
     pub fn inbox(&self) -> &Inbox<DB> {

@@ -98,7 +98,7 @@ pub enum Rejection {
 }
 
 impl Rejection {
-    /// The response's status code.
+    /// Returns the response's status code.
     pub fn status(&self) -> StatusCode {
         match self {
             Rejection::MissingKey
@@ -121,7 +121,7 @@ impl Rejection {
         }
     }
 
-    /// A stable name for the problem, the body's `code` member.
+    /// Returns a stable name for the problem, the body's `code` member.
     pub fn code(&self) -> &'static str {
         match self {
             Rejection::MissingKey => "idempotency_key_missing",

@@ -54,15 +54,15 @@ pub const DEFAULT_STORED_HEADERS: [HeaderName; 12] = [
     header::VARY,
 ];
 
-/// Whether a response with this status is stored (and replayed) unless configured otherwise.
-/// This crate's policy: successes, redirects and client errors are stored, so that a retry of a
-/// request that the handler refused (a validation failure, a `404`) gets the same answer. Not
-/// stored, so that a retry runs the handler again: server errors (`5xx`: the server may do better
-/// next time, and on a transactional route nothing of the failed attempt was committed), `408
-/// Request Timeout`, `429 Too Many Requests` (they say nothing about the request itself) and
-/// informational statuses. (Other APIs choose otherwise: Stripe, for one, stores whatever the
-/// first request got, `500`s included.) The layer's own refusals (`400`, `409`, `422`, …) are
-/// never stored: the handler did not run.
+/// Returns whether a response with this status is stored (and replayed) unless configured
+/// otherwise. This crate's policy: successes, redirects and client errors are stored, so that a
+/// retry of a request that the handler refused (a validation failure, a `404`) gets the same
+/// answer. Not stored, so that a retry runs the handler again: server errors (`5xx`: the server may
+/// do better next time, and on a transactional route nothing of the failed attempt was committed),
+/// `408 Request Timeout`, `429 Too Many Requests` (they say nothing about the request itself) and
+/// informational statuses. (Other APIs choose otherwise: Stripe, for one, stores whatever the first
+/// request got, `500`s included.) The layer's own refusals (`400`, `409`, `422`, …) are never
+/// stored: the handler did not run.
 pub fn stored_by_default(status: StatusCode) -> bool {
     !(status.is_server_error()
         || status.is_informational()

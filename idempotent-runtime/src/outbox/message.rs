@@ -23,7 +23,7 @@ pub struct Destination {
 }
 
 impl Destination {
-    /// A RabbitMQ exchange, with the routing key its bindings route by.
+    /// Creates a destination: a RabbitMQ exchange, with the routing key its bindings route by.
     pub fn exchange(exchange: impl Into<String>, routing_key: impl Into<String>) -> Self {
         Self {
             exchange: exchange.into(),
@@ -31,12 +31,12 @@ impl Destination {
         }
     }
 
-    /// A RabbitMQ queue, through the default exchange.
+    /// Creates a destination: a RabbitMQ queue, through the default exchange.
     pub fn queue(queue: impl Into<String>) -> Self {
         Self::exchange("", queue)
     }
 
-    /// A NATS subject (which a JetStream stream captures).
+    /// Creates a destination: a NATS subject (which a JetStream stream captures).
     pub fn subject(subject: impl Into<String>) -> Self {
         Self::exchange("", subject)
     }
@@ -46,7 +46,8 @@ impl Destination {
 /// own id and an ordering key.
 ///
 /// ```
-/// use idempotent_runtime::outbox::{Destination, OutgoingMessage};
+/// # use idempotent_runtime as idempotent;
+/// use idempotent::outbox::{Destination, OutgoingMessage};
 ///
 /// let paid = OutgoingMessage::new(Destination::exchange("shop", "order.paid"), br#"{"order":7}"#)
 ///     .with_header("content-type", "application/json")
@@ -62,7 +63,8 @@ pub struct OutgoingMessage {
 }
 
 impl OutgoingMessage {
-    /// A message of `payload` for `destination`, with an id the outbox derives (see [`Outbox`]).
+    /// Creates a message of `payload` for `destination`, with an id the outbox derives (see
+    /// [`Outbox`]).
     pub fn new(destination: Destination, payload: impl Into<Vec<u8>>) -> Self {
         Self {
             destination,
@@ -73,48 +75,48 @@ impl OutgoingMessage {
         }
     }
 
-    /// The same message with the header `name: value` (AMQP headers, NATS headers).
+    /// Returns the same message with the header `name: value` (AMQP headers, NATS headers).
     pub fn with_header(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
         self.headers.push((name.into(), value.into()));
         self
     }
 
-    /// The same message with its own id instead of the derived one: an id that is the same each
-    /// time this message is queued again (a business key such as `order-7-paid`), never a random
-    /// one, or the downstream consumer cannot tell a second publication from a new message.
+    /// Returns the same message with its own id instead of the derived one: an id that is the same
+    /// each time this message is queued again (a business key such as `order-7-paid`), never a
+    /// random one, or the downstream consumer cannot tell a second publication from a new message.
     pub fn with_id(mut self, id: impl Into<String>) -> Self {
         self.id = Some(id.into());
         self
     }
 
-    /// The same message with an ordering key: the messages of one key are published in the order
-    /// their transactions committed, one at a time (see [the module docs](crate::outbox)).
+    /// Returns the same message with an ordering key: the messages of one key are published in the
+    /// order their transactions committed, one at a time (see [the module docs](crate::outbox)).
     pub fn with_ordering_key(mut self, key: impl Into<String>) -> Self {
         self.ordering_key = Some(key.into());
         self
     }
 
-    /// Where it goes.
+    /// Returns where it goes.
     pub fn destination(&self) -> &Destination {
         &self.destination
     }
 
-    /// Its payload.
+    /// Returns its payload.
     pub fn payload(&self) -> &[u8] {
         &self.payload
     }
 
-    /// Its headers, in order.
+    /// Returns its headers, in order.
     pub fn headers(&self) -> &[(String, String)] {
         &self.headers
     }
 
-    /// The id it was given with [`with_id`](Self::with_id), if any.
+    /// Returns the id it was given with [`with_id`](Self::with_id), if any.
     pub fn id(&self) -> Option<&str> {
         self.id.as_deref()
     }
 
-    /// Its ordering key, if any.
+    /// Returns its ordering key, if any.
     pub fn ordering_key(&self) -> Option<&str> {
         self.ordering_key.as_deref()
     }
@@ -162,9 +164,9 @@ impl Outbox {
         id
     }
 
-    /// The id of the message at `position` (from 0) of the outbox of `origin` and `key`: a UUID
-    /// (version 8, RFC 9562) made of the SHA-256 of `idempotent-outbox/1`, the origin, the stored
-    /// key and the position, each length-prefixed. The same inputs always give the same id.
+    /// Returns the id of the message at `position` (from 0) of the outbox of `origin` and `key`: a
+    /// UUID (version 8, RFC 9562) made of the SHA-256 of `idempotent-outbox/1`, the origin, the
+    /// stored key and the position, each length-prefixed. The same inputs always give the same id.
     pub fn derived_id(origin: &str, key: &MessageKey, position: usize) -> String {
         let mut hasher = Sha256::new();
         hasher.update(b"idempotent-outbox/1\0");
@@ -181,24 +183,25 @@ impl Outbox {
         uuid::Uuid::from_bytes(bytes).hyphenated().to_string()
     }
 
-    /// Where the derived ids come from: the consumer, or the origin given to [`Outbox::new`].
+    /// Returns where the derived ids come from: the consumer, or the origin given to
+    /// [`Outbox::new`].
     pub fn origin(&self) -> &str {
         &self.origin
     }
 
-    /// The queued messages with their ids, in order.
+    /// Returns the queued messages with their ids, in order.
     pub fn messages(&self) -> impl Iterator<Item = (&str, &OutgoingMessage)> {
         self.queued
             .iter()
             .map(|(id, message)| (id.as_str(), message))
     }
 
-    /// How many messages are queued.
+    /// Returns how many messages are queued.
     pub fn len(&self) -> usize {
         self.queued.len()
     }
 
-    /// Whether nothing is queued.
+    /// Returns whether nothing is queued.
     pub fn is_empty(&self) -> bool {
         self.queued.is_empty()
     }

@@ -33,7 +33,7 @@ impl OutboxState {
         }
     }
 
-    /// The state's name: `pending`, `sent` or `parked`.
+    /// Returns the state's name: `pending`, `sent` or `parked`.
     pub fn as_str(self) -> &'static str {
         match self {
             OutboxState::Pending => "pending",
@@ -133,8 +133,8 @@ impl<DB: Backend> Inbox<DB> {
         Ok(stats)
     }
 
-    /// The parked messages after row `after` (`None`: from the first), at most `limit`, in the
-    /// order they were written.
+    /// Returns the parked messages after row `after` (`None`: from the first), at most `limit`, in
+    /// the order they were written.
     pub async fn parked_messages(
         &self,
         after: Option<i64>,
@@ -154,7 +154,7 @@ impl<DB: Backend> Inbox<DB> {
         Ok(rows.into_iter().map(OutboxRecord::of).collect())
     }
 
-    /// The outbox's rows of the message `message_id` (usually one; a message queued again
+    /// Returns the outbox's rows of the message `message_id` (usually one; a message queued again
     /// outside a handler with the same id has more), in the order they were written.
     pub async fn outbox_messages(&self, message_id: &str) -> Result<Vec<OutboxRecord>, InboxError> {
         let mut session = self.inspecting().await?;
@@ -169,7 +169,7 @@ impl<DB: Backend> Inbox<DB> {
         Ok(rows.into_iter().map(OutboxRecord::of).collect())
     }
 
-    /// The outbox's row `row`, if it is there.
+    /// Returns the outbox's row `row`, if it is there.
     pub async fn outbox_message(&self, row: i64) -> Result<Option<OutboxRecord>, InboxError> {
         let mut session = self.inspecting().await?;
         let found = DB::outbox_row(session.start_step(), &self.config.statements.outbox, row)

@@ -51,12 +51,12 @@ pub enum PublishError {
 }
 
 impl PublishError {
-    /// [`PublishError::Unavailable`] for `error`.
+    /// Returns [`PublishError::Unavailable`] for `error`.
     pub fn unavailable(error: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
         PublishError::Unavailable(error.into())
     }
 
-    /// [`PublishError::Rejected`] with `reason`.
+    /// Returns [`PublishError::Rejected`] with `reason`.
     pub fn rejected(reason: impl Into<String>) -> Self {
         PublishError::Rejected {
             reason: reason.into(),

@@ -79,7 +79,7 @@ impl Default for RelayOptions {
 }
 
 impl RelayOptions {
-    /// These options with batches of at most `batch_size` rows.
+    /// Returns these options with batches of at most `batch_size` rows.
     pub fn batch_size(self, batch_size: usize) -> Self {
         Self {
             batch_size: batch_size.max(1),
@@ -87,7 +87,7 @@ impl RelayOptions {
         }
     }
 
-    /// These options with `workers` batches at once.
+    /// Returns these options with `workers` batches at once.
     pub fn workers(self, workers: usize) -> Self {
         Self {
             workers: workers.max(1),
@@ -95,7 +95,7 @@ impl RelayOptions {
         }
     }
 
-    /// These options parking a message after `max_attempts` refusals, the second attempt
+    /// Returns these options parking a message after `max_attempts` refusals, the second attempt
     /// `first_retry_delay` after the first.
     pub fn attempts(self, max_attempts: u32, first_retry_delay: Duration) -> Self {
         Self {
@@ -105,7 +105,7 @@ impl RelayOptions {
         }
     }
 
-    /// These options polling between `min` and `max` when idle.
+    /// Returns these options polling between `min` and `max` when idle.
     pub fn poll_interval(self, min: Duration, max: Duration) -> Self {
         Self {
             min_poll_interval: min,
@@ -114,12 +114,12 @@ impl RelayOptions {
         }
     }
 
-    /// These options with (or without) PostgreSQL's `LISTEN`.
+    /// Returns these options with (or without) PostgreSQL's `LISTEN`.
     pub fn listen(self, listen: bool) -> Self {
         Self { listen, ..self }
     }
 
-    /// These options waiting at most `timeout` for each confirmation.
+    /// Returns these options waiting at most `timeout` for each confirmation.
     pub fn publish_timeout(self, timeout: Duration) -> Self {
         Self {
             publish_timeout: timeout,
@@ -211,7 +211,7 @@ pub struct Relay {
 }
 
 impl Relay {
-    /// What it counted so far.
+    /// Returns what it counted so far.
     pub fn stats(&self) -> RelayStats {
         self.counters.snapshot()
     }

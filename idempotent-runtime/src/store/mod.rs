@@ -294,7 +294,7 @@ mod private {
     }
 }
 
-/// Whether a driver error is transient, so that the same work may succeed when tried again:
+/// Returns whether a driver error is transient, so that the same work may succeed when tried again:
 /// serialization failures, deadlocks, lock timeouts, a busy or locked SQLite database, a Galera
 /// node that left its cluster, lost or refused connections, an exhausted pool. For your own
 /// handlers' errors; an `#[idempotent]` handler's outcome already says it

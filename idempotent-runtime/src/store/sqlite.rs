@@ -54,12 +54,13 @@ impl HandlerConnection for SqliteConnection {
     type Backend = Sqlite;
 }
 
-/// Connection options for an inbox database: the file is created if missing, and the journal is
-/// in WAL mode so that readers do not wait for the serialized writers.
+/// Returns connection options for an inbox database: the file is created if missing, and the
+/// journal is in WAL mode so that readers do not wait for the serialized writers.
 ///
 /// ```
+/// # use idempotent_runtime as idempotent;
 /// # async fn demo() -> Result<(), sqlx::Error> {
-/// let pool = sqlx::SqlitePool::connect_with(idempotent_runtime::sqlite::connect_options("sqlite://shop.db")?).await?;
+/// let pool = sqlx::SqlitePool::connect_with(idempotent::sqlite::connect_options("sqlite://shop.db")?).await?;
 /// # Ok(()) }
 /// ```
 pub fn connect_options(url: &str) -> Result<SqliteConnectOptions, sqlx::Error> {

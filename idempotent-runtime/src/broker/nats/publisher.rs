@@ -25,7 +25,7 @@ pub struct OutboxPublisher {
 }
 
 impl OutboxPublisher {
-    /// A publisher on `jetstream`.
+    /// Creates a publisher on `jetstream`.
     pub fn new(jetstream: jetstream::Context) -> Self {
         Self { jetstream }
     }
