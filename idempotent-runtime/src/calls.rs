@@ -28,7 +28,7 @@ use crate::inbox::{Inbox, check_consumer, check_name, decode_response};
 use crate::key::{IdempotencyKey, MessageKey};
 use crate::metrics::CallOutcome;
 use crate::session::Session;
-use crate::store::{Backend, CallId, CallRow, begin_alone, database_error, end_alone};
+use crate::store::{Backend, CallId, CallRow, database_error, in_own_transaction};
 use sqlx_core::transaction::TransactionManager;
 
 /// The longest lease a call may ask for: a lease is how long other attempts wait for this one
@@ -42,10 +42,10 @@ async fn read_call<DB: Backend>(
     statements: &crate::store::Statements,
     id: CallId<'_>,
 ) -> Result<Option<CallRow>, InboxError> {
-    let row = DB::call_read(session.start_step(), statements, id)
+    let row = session
+        .try_step(|conn| DB::call_read(conn, statements, id))
         .await
         .map_err(database_error(Stage::Call))?;
-    session.end_step();
     Ok(row)
 }
 
@@ -159,28 +159,32 @@ impl<DB: Backend> Inbox<DB> {
         check_consumer(consumer)?;
         check_call(name, lease)?;
         let mut session = self.call_session().await?;
-        let conn = session.start_step();
         let Some(gate) = gate else {
-            let start = self.record_call(conn, consumer, key, name, lease).await?;
-            session.end_step();
+            let start = session
+                .try_step(|conn| self.record_call(conn, consumer, key, name, lease))
+                .await?;
             return Ok(Gated::Passed(start));
         };
         let failed = database_error(Stage::Call);
-        <DB as sqlx::Database>::TransactionManager::begin(conn, None)
-            .await
-            .map_err(database_error(Stage::Call))?;
-        let outcome = match gate(conn).await {
-            Ok(true) => Some(self.record_call(conn, consumer, key, name, lease).await),
-            Ok(false) => None,
-            Err(error) => Some(Err(failed(error))),
-        };
-        let ended = match &outcome {
-            Some(Ok(_)) => <DB as sqlx::Database>::TransactionManager::commit(conn).await,
-            _ => <DB as sqlx::Database>::TransactionManager::rollback(conn).await,
-        };
         // On an error the step stays in doubt, and the connection is closed with the session.
-        ended.map_err(database_error(Stage::Call))?;
-        session.end_step();
+        let outcome = session
+            .try_step(|conn| async move {
+                <DB as sqlx::Database>::TransactionManager::begin(conn, None)
+                    .await
+                    .map_err(database_error(Stage::Call))?;
+                let outcome = match gate(conn).await {
+                    Ok(true) => Some(self.record_call(conn, consumer, key, name, lease).await),
+                    Ok(false) => None,
+                    Err(error) => Some(Err(failed(error))),
+                };
+                let ended = match &outcome {
+                    Some(Ok(_)) => <DB as sqlx::Database>::TransactionManager::commit(conn).await,
+                    _ => <DB as sqlx::Database>::TransactionManager::rollback(conn).await,
+                };
+                ended.map_err(database_error(Stage::Call))?;
+                Ok::<_, InboxError>(outcome)
+            })
+            .await?;
         Ok(match outcome {
             None => Gated::Shut,
             Some(outcome) => Gated::Passed(outcome?),
@@ -292,16 +296,18 @@ impl<DB: Backend> Inbox<DB> {
         lease: Duration,
     ) -> Result<bool, InboxError> {
         let mut session = self.call_session().await?;
-        let extended = DB::call_extend(
-            session.start_step(),
-            &self.config.statements,
-            held.id(),
-            held.fence,
-            millis(lease),
-        )
-        .await
-        .map_err(database_error(Stage::Call))?;
-        session.end_step();
+        let extended = session
+            .try_step(|conn| {
+                DB::call_extend(
+                    conn,
+                    &self.config.statements,
+                    held.id(),
+                    held.fence,
+                    millis(lease),
+                )
+            })
+            .await
+            .map_err(database_error(Stage::Call))?;
         Ok(extended)
     }
 
@@ -319,16 +325,10 @@ impl<DB: Backend> Inbox<DB> {
         })?;
         let statements = &self.config.statements;
         let mut session = self.call_session().await?;
-        let completed = DB::call_complete(
-            session.start_step(),
-            statements,
-            lease.id(),
-            lease.fence,
-            &bytes,
-        )
-        .await
-        .map_err(database_error(Stage::Call))?;
-        session.end_step();
+        let completed = session
+            .try_step(|conn| DB::call_complete(conn, statements, lease.id(), lease.fence, &bytes))
+            .await
+            .map_err(database_error(Stage::Call))?;
         if completed {
             tracing::debug!(
                 consumer = lease.consumer,
@@ -367,16 +367,19 @@ impl<DB: Backend> Inbox<DB> {
     pub async fn release_call(&self, lease: CallLease) -> Result<bool, InboxError> {
         let mut session = self.call_session().await?;
         let statements = &self.config.statements;
-        let conn = session.start_step();
-        // `call_release` also runs in a handler's transaction (the HTTP layer's): alone only here.
-        begin_alone::<DB>(conn, statements.pooled)
+        let id = lease.id();
+        // `call_release` also runs in a handler's transaction (the HTTP layer's): in a transaction
+        // of its own only here.
+        let released = session
+            .try_step(|conn| async move {
+                in_own_transaction!(
+                    conn,
+                    statements,
+                    DB::call_release(&mut *conn, statements, id, lease.fence)
+                )
+            })
             .await
             .map_err(database_error(Stage::Call))?;
-        let released = DB::call_release(conn, statements, lease.id(), lease.fence).await;
-        let released = end_alone::<DB, _>(conn, statements.pooled, released)
-            .await
-            .map_err(database_error(Stage::Call))?;
-        session.end_step();
         tracing::debug!(
             consumer = lease.consumer,
             call = lease.name,

@@ -449,15 +449,10 @@ impl<DB: Backend> Inbox<DB> {
         let mut session = Session::take(self.source())
             .await
             .map_err(database_error(Stage::Inspect))?;
-        let row = DB::stored(
-            session.start_step(),
-            &self.config.statements,
-            consumer,
-            key.as_bytes(),
-        )
-        .await
-        .map_err(database_error(Stage::Inspect))?;
-        session.end_step();
+        let row = session
+            .try_step(|conn| DB::stored(conn, &self.config.statements, consumer, key.as_bytes()))
+            .await
+            .map_err(database_error(Stage::Inspect))?;
         Ok(row.is_some())
     }
 }
@@ -872,8 +867,9 @@ async fn ended_by_body<DB: Backend>(
 ) -> InboxError {
     let key_committed = match claim {
         Some((statements, consumer, key)) => {
-            let row = DB::stored(session.start_step(), statements, consumer, key.as_bytes()).await;
-            session.end_step();
+            let row = session
+                .step(|conn| DB::stored(conn, statements, consumer, key.as_bytes()))
+                .await;
             // Unknown counts as committed: a redelivery is then at worst a duplicate.
             row.map_or(true, |row| row.is_some())
         }

@@ -18,7 +18,7 @@ use crate::error::{InboxError, Stage};
 use crate::inbox::{Inbox, check_consumer, commit};
 use crate::key::{AsMessageKey, MessageKey};
 use crate::session::Session;
-use crate::store::{Backend, begin_alone, database_error, end_alone};
+use crate::store::{Backend, database_error, in_own_transaction};
 use crate::transaction::{BeginError, InboxTransaction};
 
 /// The longest reason [`Inbox::forget`] accepts, in bytes.
@@ -233,16 +233,18 @@ impl<DB: Backend> Inbox<DB> {
         let key = key.as_message_key()?;
         let mut session = self.read_session().await?;
         let statements = &self.config.statements;
-        let conn = session.start_step();
-        // `inspect` also runs in `forget`'s transaction: alone only here.
-        begin_alone::<DB>(conn, statements.pooled)
+        let key_bytes = key.as_bytes();
+        // `inspect` also runs in `forget`'s transaction: in a transaction of its own only here.
+        let row = session
+            .try_step(|conn| async move {
+                in_own_transaction!(
+                    conn,
+                    statements,
+                    DB::inspect(&mut *conn, statements, consumer, key_bytes)
+                )
+            })
             .await
             .map_err(database_error(Stage::Inspect))?;
-        let row = DB::inspect(conn, statements, consumer, key.as_bytes()).await;
-        let row = end_alone::<DB, _>(conn, statements.pooled, row)
-            .await
-            .map_err(database_error(Stage::Inspect))?;
-        session.end_step();
         Ok(row.map(|(processed_ms, response, fingerprint)| Record {
             key: key.into_owned(),
             processed_at: from_ms(processed_ms),
@@ -264,17 +266,19 @@ impl<DB: Backend> Inbox<DB> {
         };
         let limit = i64::try_from(listing.limit).unwrap_or(i64::MAX);
         let mut session = self.read_session().await?;
-        let rows = DB::list(
-            session.start_step(),
-            &self.config.statements,
-            consumer,
-            range,
-            (at, key),
-            limit,
-        )
-        .await
-        .map_err(database_error(Stage::Inspect))?;
-        session.end_step();
+        let rows = session
+            .try_step(|conn| {
+                DB::list(
+                    conn,
+                    &self.config.statements,
+                    consumer,
+                    range,
+                    (at, key),
+                    limit,
+                )
+            })
+            .await
+            .map_err(database_error(Stage::Inspect))?;
         let full = rows.len() == listing.limit;
         let mut records = Vec::with_capacity(rows.len());
         let mut next = None;
@@ -306,15 +310,10 @@ impl<DB: Backend> Inbox<DB> {
         }
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
         let mut session = self.read_session().await?;
-        let rows = DB::stuck_calls(
-            session.start_step(),
-            &self.config.statements,
-            consumer,
-            limit,
-        )
-        .await
-        .map_err(database_error(Stage::Inspect))?;
-        session.end_step();
+        let rows = session
+            .try_step(|conn| DB::stuck_calls(conn, &self.config.statements, consumer, limit))
+            .await
+            .map_err(database_error(Stage::Inspect))?;
         rows.into_iter()
             .map(|(consumer, key, name, fence, lease_until, now)| {
                 Ok(StuckCall {
@@ -407,15 +406,10 @@ impl<DB: Backend> Inbox<DB> {
         }
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
         let mut session = self.read_session().await?;
-        let rows = DB::audit_read(
-            session.start_step(),
-            &self.config.statements,
-            consumer,
-            limit,
-        )
-        .await
-        .map_err(database_error(Stage::Inspect))?;
-        session.end_step();
+        let rows = session
+            .try_step(|conn| DB::audit_read(conn, &self.config.statements, consumer, limit))
+            .await
+            .map_err(database_error(Stage::Inspect))?;
         Ok(rows
             .into_iter()
             .map(
@@ -434,10 +428,10 @@ impl<DB: Backend> Inbox<DB> {
     /// horizon, pending and stuck calls.
     pub async fn stats(&self) -> Result<Vec<ConsumerStats>, InboxError> {
         let mut session = self.read_session().await?;
-        let (rows, calls, horizons) = DB::stats(session.start_step(), &self.config.statements)
+        let (rows, calls, horizons) = session
+            .try_step(|conn| DB::stats(conn, &self.config.statements))
             .await
             .map_err(database_error(Stage::Inspect))?;
-        session.end_step();
         let mut stats = BTreeMap::<String, ConsumerStats>::new();
         for (consumer, count, oldest) in rows {
             let stats = entry(&mut stats, consumer);

@@ -86,15 +86,18 @@ pub(crate) async fn migrate<DB: Backend>(
     let failed = database_error(Stage::Migrate);
     let mut session = Session::take(source).await.map_err(failed)?;
     // One step from the lock to its release: a migration dropped in between closes the session.
-    let conn = session.start_step();
-    DB::lock_migration(conn, table)
-        .await
-        .map_err(database_error(Stage::Migrate))?;
-    let migrated = upgrade::<DB>(conn, statements, table).await;
-    DB::unlock_migration(conn, table, migrated.is_ok())
-        .await
-        .map_err(database_error(Stage::Migrate))?;
-    session.end_step();
+    let migrated = session
+        .try_step(|conn| async move {
+            DB::lock_migration(conn, table)
+                .await
+                .map_err(database_error(Stage::Migrate))?;
+            let migrated = upgrade::<DB>(conn, statements, table).await;
+            DB::unlock_migration(conn, table, migrated.is_ok())
+                .await
+                .map_err(database_error(Stage::Migrate))?;
+            Ok::<_, InboxError>(migrated)
+        })
+        .await?;
     if let Ok(Migration { from, to }) = migrated
         && from != to
     {

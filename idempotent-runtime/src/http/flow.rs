@@ -423,10 +423,10 @@ impl<DB: HttpBackend> Run<DB> {
             match claimed {
                 Err(error) if attempt == 0 && DB::lost_statement(&error) => {
                     let mut session = tx.rollback().await.map_err(claim_error)?;
-                    DB::forget_statements(session.start_step())
+                    session
+                        .try_step(|conn| DB::forget_statements(conn))
                         .await
                         .map_err(claim_error)?;
-                    session.end_step();
                 }
                 claimed => return Ok((tx, claimed)),
             }
@@ -692,15 +692,17 @@ impl<DB: HttpBackend> Run<DB> {
             Some(session) => session,
             None => Session::take(inbox.source()).await.map_err(inspect)?,
         };
-        let row = DB::stored(
-            session.start_step(),
-            &inbox.config.statements,
-            self.consumer(),
-            self.key.as_bytes(),
-        )
-        .await
-        .map_err(inspect)?;
-        session.end_step();
+        let row = session
+            .try_step(|conn| {
+                DB::stored(
+                    conn,
+                    &inbox.config.statements,
+                    self.consumer(),
+                    self.key.as_bytes(),
+                )
+            })
+            .await
+            .map_err(inspect)?;
         let Some((response, fingerprint)) = row else {
             return Ok(None);
         };

@@ -393,11 +393,10 @@ fn next_pause(last: Duration) -> Duration {
 pub(crate) async fn backlog<DB: Backend>(inbox: &Inbox<DB>) -> Result<(u64, Duration), InboxError> {
     let failed = || database_error(Stage::Relay);
     let mut session = Session::take(inbox.source()).await.map_err(failed())?;
-    let (rows, oldest, now) =
-        DB::outbox_backlog(session.start_step(), &inbox.config.statements.outbox)
-            .await
-            .map_err(failed())?;
-    session.end_step();
+    let (rows, oldest, now) = session
+        .try_step(|conn| DB::outbox_backlog(conn, &inbox.config.statements.outbox))
+        .await
+        .map_err(failed())?;
     let age = oldest.map_or(0, |oldest| now.saturating_sub(oldest).max(0));
     Ok((rows.max(0) as u64, Duration::from_millis(age as u64)))
 }

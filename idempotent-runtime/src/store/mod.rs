@@ -40,7 +40,9 @@ pub(crate) use outbox::{
     Failure, NewRow, OutboxDialect, OutboxQueries, OutboxStatements, PARKED, PENDING, SENT,
     ShownRow,
 };
-pub(crate) use queries::{Queries, begin_alone, end_alone};
+pub(crate) use queries::{
+    Queries, QueryBuilder, begin_own_transaction, end_own_transaction, in_own_transaction,
+};
 pub(crate) use statements::{
     CallId, CallRow, Dialect, PurgeScope, PurgeSql, PurgeStatements, Statements,
 };
@@ -134,12 +136,12 @@ mod private {
 
         /// What the inbox keeps while its transaction is open (SQLite: the state its commit
         /// hook reads); dropped when the transaction ends.
-        type Watch: Send + Sync + 'static;
+        type TransactionState: Send + Sync + 'static;
 
         /// Readies `conn` for a transaction of the inbox, before its `BEGIN`.
-        fn watch(
+        fn ready_transaction(
             conn: &mut Self::Connection,
-        ) -> impl Future<Output = Result<Self::Watch, sqlx::Error>> + Send;
+        ) -> impl Future<Output = Result<Self::TransactionState, sqlx::Error>> + Send;
 
         /// The message that begins the transaction and claims the key in one round trip, if this
         /// backend and its settings send one: a committed duplicate then fails it with a unique
@@ -169,14 +171,14 @@ mod private {
         /// unknown.
         fn commit(
             conn: &mut Self::Connection,
-            watch: &Self::Watch,
+            state: &Self::TransactionState,
         ) -> impl Future<Output = Result<Ending, sqlx::Error>> + Send;
 
         /// Rolls back the open transaction (and undoes what [`BEGIN`](Store::BEGIN) changed in
         /// the session).
         fn rollback(
             conn: &mut Self::Connection,
-            watch: &Self::Watch,
+            state: &Self::TransactionState,
         ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
 
         /// Rolls back as [`rollback`](Store::rollback) does, after a body that failed, and says
@@ -184,7 +186,7 @@ mod private {
         /// [`commit`](Store::commit) makes; one more round trip on PostgreSQL, none elsewhere).
         fn rollback_checked(
             conn: &mut Self::Connection,
-            watch: &Self::Watch,
+            state: &Self::TransactionState,
         ) -> impl Future<Output = Result<RolledBack, sqlx::Error>> + Send;
 
         /// What this backend's database error says about retrying; `None` when `error` is not

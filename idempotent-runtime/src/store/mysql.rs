@@ -135,13 +135,13 @@ impl Store for MySql {
     const BEGIN_RELAY: &'static str = begin!("SET TRANSACTION ISOLATION LEVEL READ COMMITTED; ");
 
     type Settings = ();
-    type Watch = ();
+    type TransactionState = ();
 
-    async fn watch(_conn: &mut MySqlConnection) -> Result<(), sqlx::Error> {
+    async fn ready_transaction(_conn: &mut MySqlConnection) -> Result<(), sqlx::Error> {
         Ok(())
     }
 
-    async fn commit(conn: &mut MySqlConnection, _watch: &()) -> Result<Ending, sqlx::Error> {
+    async fn commit(conn: &mut MySqlConnection, _state: &()) -> Result<Ending, sqlx::Error> {
         let committed = conn.execute(COMMIT).await;
         let error = match committed {
             Ok(_) => {
@@ -164,13 +164,13 @@ impl Store for MySql {
         }
     }
 
-    async fn rollback(conn: &mut MySqlConnection, _watch: &()) -> Result<(), sqlx::Error> {
+    async fn rollback(conn: &mut MySqlConnection, _state: &()) -> Result<(), sqlx::Error> {
         end(conn).await
     }
 
     async fn rollback_checked(
         conn: &mut MySqlConnection,
-        _watch: &(),
+        _state: &(),
     ) -> Result<RolledBack, sqlx::Error> {
         // The release fails when the transaction is not the one that set the savepoint (one a
         // statement of the body committed implicitly, or the server rolled back); then nothing

@@ -106,7 +106,7 @@ mod postgres {
         Attempt, CallGate, CallId, HttpBackend, Statements, sealed::ClaimWithoutWaiting,
         unless_pending,
     };
-    use crate::store::Queries;
+    use crate::store::{Queries, QueryBuilder};
 
     /// The lock is taken (once: the CTE is referenced twice, so it is materialized) and the key
     /// inserted only if it was; the row says which happened.
@@ -147,15 +147,14 @@ mod postgres {
             fingerprint: &[u8],
             call: &str,
         ) -> Result<Attempt, sqlx::Error> {
-            let (taken, inserted): (bool, bool) =
-                sqlx::query_as(AssertSqlSafe(statements.table_sql(TRY_CLAIM)))
-                    .persistent(!statements.pooled)
-                    .bind(consumer)
-                    .bind(key)
-                    .bind(fingerprint)
-                    .bind(lock_of(statements, consumer, key))
-                    .fetch_one(&mut *conn)
-                    .await?;
+            let (taken, inserted): (bool, bool) = statements
+                .query_as(AssertSqlSafe(statements.table_sql(TRY_CLAIM)))
+                .bind(consumer)
+                .bind(key)
+                .bind(fingerprint)
+                .bind(lock_of(statements, consumer, key))
+                .fetch_one(&mut *conn)
+                .await?;
             Ok(match (taken, inserted) {
                 (false, _) => Attempt::InFlight,
                 (true, false) => Attempt::Committed,
@@ -178,15 +177,11 @@ mod postgres {
             key: &'g [u8],
         ) -> Option<CallGate<'g, Self>> {
             let lock = lock_of(statements, consumer, key);
-            let pooled = statements.pooled;
+            let query = statements
+                .query_scalar("SELECT pg_try_advisory_xact_lock($1)")
+                .bind(lock);
             Some(Box::new(move |conn: &mut PgConnection| {
-                Box::pin(async move {
-                    sqlx::query_scalar("SELECT pg_try_advisory_xact_lock($1)")
-                        .persistent(!pooled)
-                        .bind(lock)
-                        .fetch_one(conn)
-                        .await
-                })
+                Box::pin(query.fetch_one(conn))
             }))
         }
     }

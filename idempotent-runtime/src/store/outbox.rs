@@ -15,7 +15,7 @@ use std::sync::Arc;
 use sqlx::{AssertSqlSafe, Database, Decode, Encode, Executor, Type};
 
 use super::private::Store;
-use super::queries::{RowsAffected, alone};
+use super::queries::{QueryBuilder, RowsAffected, in_own_transaction};
 use super::statements::{Bind, Dialect, Params, PurgeSql};
 use crate::table::TableName;
 
@@ -361,6 +361,12 @@ impl OutboxStatements {
     }
 }
 
+impl QueryBuilder for OutboxStatements {
+    fn pooled(&self) -> bool {
+        self.pooled
+    }
+}
+
 /// How a failed publication leaves its row: its new state, attempts, delay before the next
 /// attempt, and the error.
 #[derive(Debug, Clone, Copy)]
@@ -481,8 +487,8 @@ where
     ) -> Result<(), sqlx::Error> {
         let sql = match row.ordering_key {
             Some(key) => {
-                sqlx::query(AssertSqlSafe(statements.next_seq.clone()))
-                    .persistent(!statements.pooled)
+                statements
+                    .query(AssertSqlSafe(statements.next_seq.clone()))
                     .bind(key)
                     .execute(&mut *conn)
                     .await?;
@@ -490,8 +496,8 @@ where
             }
             None => statements.insert.clone(),
         };
-        let mut query = sqlx::query(AssertSqlSafe(sql))
-            .persistent(!statements.pooled)
+        let mut query = statements
+            .query(AssertSqlSafe(sql))
             .bind(row.message_id)
             .bind(row.exchange)
             .bind(row.routing_key)
@@ -510,8 +516,8 @@ where
         statements: &OutboxStatements,
     ) -> Result<(), sqlx::Error> {
         if let Some(notify) = statements.notify.as_ref().filter(|_| statements.notifies) {
-            sqlx::query(AssertSqlSafe(notify.clone()))
-                .persistent(!statements.pooled)
+            statements
+                .query(AssertSqlSafe(notify.clone()))
                 .execute(conn)
                 .await?;
         }
@@ -524,15 +530,14 @@ where
         limit: usize,
     ) -> Result<Vec<TakenRow>, sqlx::Error> {
         let limit = limit.max(1);
-        let heads: Vec<(String, i64)> = sqlx::query_as(AssertSqlSafe(statements.heads.clone()))
-            .persistent(!statements.pooled)
+        let heads: Vec<(String, i64)> = statements
+            .query_as(AssertSqlSafe(statements.heads.clone()))
             .bind(i64::try_from(limit.div_ceil(2)).unwrap_or(i64::MAX))
             .fetch_all(&mut *conn)
             .await?;
         let mut rows: Vec<TakenRow> = Vec::with_capacity(limit);
         if !heads.is_empty() {
-            let mut query = sqlx::query_as(AssertSqlSafe(statements.take_keyed(heads.len())))
-                .persistent(!statements.pooled);
+            let mut query = statements.query_as(AssertSqlSafe(statements.take_keyed(heads.len())));
             for (key, seq) in &heads {
                 query = query.bind(key.as_str()).bind(*seq);
             }
@@ -540,12 +545,11 @@ where
         }
         let rest = limit.saturating_sub(rows.len());
         if rest > 0 {
-            let unkeyed: Vec<TakenRow> =
-                sqlx::query_as(AssertSqlSafe(statements.take_unkeyed.clone()))
-                    .persistent(!statements.pooled)
-                    .bind(i64::try_from(rest).unwrap_or(i64::MAX))
-                    .fetch_all(conn)
-                    .await?;
+            let unkeyed: Vec<TakenRow> = statements
+                .query_as(AssertSqlSafe(statements.take_unkeyed.clone()))
+                .bind(i64::try_from(rest).unwrap_or(i64::MAX))
+                .fetch_all(conn)
+                .await?;
             rows.extend(unkeyed);
         }
         rows.sort_by_key(|row| row.0);
@@ -563,7 +567,7 @@ where
         // Bounded statements, well under every database's limit on parameters.
         for chunk in ids.chunks(500) {
             let sql = statements.set_state(chunk.len(), state);
-            let mut query = sqlx::query(AssertSqlSafe(sql)).persistent(!statements.pooled);
+            let mut query = statements.query(AssertSqlSafe(sql));
             for id in chunk {
                 query = query.bind(*id);
             }
@@ -577,8 +581,8 @@ where
         statements: &OutboxStatements,
         failure: Failure<'_>,
     ) -> Result<(), sqlx::Error> {
-        sqlx::query(AssertSqlSafe(statements.mark_failed.clone()))
-            .persistent(!statements.pooled)
+        statements
+            .query(AssertSqlSafe(statements.mark_failed.clone()))
             .bind(failure.state)
             .bind(failure.attempts)
             .bind(failure.delay_ms)
@@ -593,11 +597,11 @@ where
         conn: &mut DB::Connection,
         statements: &OutboxStatements,
     ) -> Result<(i64, Option<i64>, i64), sqlx::Error> {
-        alone!(
+        in_own_transaction!(
             conn,
             statements,
-            sqlx::query_as(AssertSqlSafe(statements.backlog.clone()))
-                .persistent(!statements.pooled)
+            statements
+                .query_as(AssertSqlSafe(statements.backlog.clone()))
                 .fetch_one(&mut *conn)
         )
     }
@@ -606,11 +610,11 @@ where
         conn: &mut DB::Connection,
         statements: &OutboxStatements,
     ) -> Result<Vec<StateCount>, sqlx::Error> {
-        alone!(
+        in_own_transaction!(
             conn,
             statements,
-            sqlx::query_as(AssertSqlSafe(statements.counts.clone()))
-                .persistent(!statements.pooled)
+            statements
+                .query_as(AssertSqlSafe(statements.counts.clone()))
                 .fetch_all(&mut *conn)
         )
     }
@@ -621,11 +625,11 @@ where
         after: i64,
         limit: i64,
     ) -> Result<Vec<ShownRow>, sqlx::Error> {
-        alone!(
+        in_own_transaction!(
             conn,
             statements,
-            sqlx::query_as(AssertSqlSafe(statements.parked.clone()))
-                .persistent(!statements.pooled)
+            statements
+                .query_as(AssertSqlSafe(statements.parked.clone()))
                 .bind(after)
                 .bind(limit)
                 .fetch_all(&mut *conn)
@@ -637,11 +641,11 @@ where
         statements: &OutboxStatements,
         id: i64,
     ) -> Result<Option<ShownRow>, sqlx::Error> {
-        alone!(
+        in_own_transaction!(
             conn,
             statements,
-            sqlx::query_as(AssertSqlSafe(statements.row.clone()))
-                .persistent(!statements.pooled)
+            statements
+                .query_as(AssertSqlSafe(statements.row.clone()))
                 .bind(id)
                 .fetch_optional(&mut *conn)
         )
@@ -652,11 +656,11 @@ where
         statements: &OutboxStatements,
         message_id: &str,
     ) -> Result<Vec<ShownRow>, sqlx::Error> {
-        alone!(
+        in_own_transaction!(
             conn,
             statements,
-            sqlx::query_as(AssertSqlSafe(statements.by_message_id.clone()))
-                .persistent(!statements.pooled)
+            statements
+                .query_as(AssertSqlSafe(statements.by_message_id.clone()))
                 .bind(message_id)
                 .fetch_all(&mut *conn)
         )
@@ -667,11 +671,11 @@ where
         statements: &OutboxStatements,
         id: i64,
     ) -> Result<bool, sqlx::Error> {
-        let done = alone!(
+        let done = in_own_transaction!(
             conn,
             statements,
-            sqlx::query(AssertSqlSafe(statements.retry.clone()))
-                .persistent(!statements.pooled)
+            statements
+                .query(AssertSqlSafe(statements.retry.clone()))
                 .bind(id)
                 .execute(&mut *conn)
         )?;

@@ -66,7 +66,8 @@ use sqlx::{AssertSqlSafe, Executor, PgPool, Postgres, Row, SqlSafeStr};
 use sqlx_core::transaction::TransactionManager;
 
 use super::{
-    Backend, Dialect, Ending, HandlerConnection, OutboxDialect, RolledBack, Statements, Store,
+    Backend, Dialect, Ending, HandlerConnection, OutboxDialect, QueryBuilder, RolledBack,
+    Statements, Store,
 };
 use crate::error::Fault;
 use crate::key::hex;
@@ -126,9 +127,9 @@ impl Store for Postgres {
     const BEGIN: &'static str = "BEGIN; SET LOCAL idempotent.claim = 'on'";
 
     type Settings = PgSettings;
-    type Watch = ();
+    type TransactionState = ();
 
-    async fn watch(_conn: &mut PgConnection) -> Result<(), sqlx::Error> {
+    async fn ready_transaction(_conn: &mut PgConnection) -> Result<(), sqlx::Error> {
         Ok(())
     }
 
@@ -166,7 +167,7 @@ impl Store for Postgres {
         Ok(())
     }
 
-    async fn commit(conn: &mut PgConnection, _watch: &()) -> Result<Ending, sqlx::Error> {
+    async fn commit(conn: &mut PgConnection, _state: &()) -> Result<Ending, sqlx::Error> {
         let ending = match mark(conn).await? {
             Mark::Set => {
                 PgTransactionManager::commit(conn).await?;
@@ -183,13 +184,13 @@ impl Store for Postgres {
         Ok(ending)
     }
 
-    async fn rollback(conn: &mut PgConnection, _watch: &()) -> Result<(), sqlx::Error> {
+    async fn rollback(conn: &mut PgConnection, _state: &()) -> Result<(), sqlx::Error> {
         PgTransactionManager::rollback(conn).await
     }
 
     async fn rollback_checked(
         conn: &mut PgConnection,
-        _watch: &(),
+        _state: &(),
     ) -> Result<RolledBack, sqlx::Error> {
         let rolled_back = match mark(conn).await? {
             // An aborted transaction is taken for the inbox's: a body that ended it, began
@@ -387,16 +388,16 @@ impl Store for Postgres {
         keys: &[&[u8]],
     ) -> Result<Vec<Vec<u8>>, sqlx::Error> {
         let keys: Vec<Vec<u8>> = keys.iter().map(|k| k.to_vec()).collect();
-        sqlx::query_scalar(AssertSqlSafe(statements.table_sql(
-            "INSERT INTO {t} (consumer, message_key) \
+        statements
+            .query_scalar(AssertSqlSafe(statements.table_sql(
+                "INSERT INTO {t} (consumer, message_key) \
              SELECT $1, k FROM unnest($2::bytea[]) AS u(k) ORDER BY k \
              ON CONFLICT DO NOTHING RETURNING message_key",
-        )))
-        .persistent(!statements.pooled)
-        .bind(consumer)
-        .bind(keys)
-        .fetch_all(conn)
-        .await
+            )))
+            .bind(consumer)
+            .bind(keys)
+            .fetch_all(conn)
+            .await
     }
 
     async fn try_lock_purge(

@@ -11,7 +11,8 @@
 
 use std::future::Future;
 
-use sqlx::{AssertSqlSafe, Database, Decode, Encode, Executor, Type};
+use sqlx::database::HasStatementCache;
+use sqlx::{AssertSqlSafe, Database, Decode, Encode, Executor, SqlSafeStr, Type};
 use sqlx_core::transaction::TransactionManager;
 
 use super::private::Store;
@@ -45,10 +46,53 @@ macro_rules! bind_purge {
     }};
 }
 
+/// Builds the queries of a set of statements, each prepared unless a pooler in transaction mode
+/// sits in front of the database (see [`Statements::pooled`]): the one place that rule is kept.
+pub(crate) trait QueryBuilder {
+    /// Whether a pooler in transaction mode sits in front of the database.
+    fn pooled(&self) -> bool;
+
+    /// Returns `sql` as a query, prepared unless [`pooled`](Self::pooled).
+    fn query<'q, DB: Database + HasStatementCache>(
+        &self,
+        sql: impl SqlSafeStr,
+    ) -> sqlx::query::Query<'q, DB, DB::Arguments> {
+        sqlx::query(sql).persistent(!self.pooled())
+    }
+
+    /// Returns `sql` as a query of rows of `O`, prepared unless [`pooled`](Self::pooled).
+    fn query_as<'q, DB: Database + HasStatementCache, O>(
+        &self,
+        sql: impl SqlSafeStr,
+    ) -> sqlx::query::QueryAs<'q, DB, O, DB::Arguments>
+    where
+        O: for<'r> sqlx::FromRow<'r, DB::Row>,
+    {
+        sqlx::query_as(sql).persistent(!self.pooled())
+    }
+
+    /// Returns `sql` as a query of one value per row, prepared unless [`pooled`](Self::pooled).
+    fn query_scalar<'q, DB: Database + HasStatementCache, O>(
+        &self,
+        sql: impl SqlSafeStr,
+    ) -> sqlx::query::QueryScalar<'q, DB, O, DB::Arguments>
+    where
+        (O,): for<'r> sqlx::FromRow<'r, DB::Row>,
+    {
+        sqlx::query_scalar(sql).persistent(!self.pooled())
+    }
+}
+
+impl QueryBuilder for Statements {
+    fn pooled(&self) -> bool {
+        self.pooled
+    }
+}
+
 /// Begins the transaction of its own that a statement outside a handler's transaction runs in
 /// behind a pooler in transaction mode (see [`Statements::pooled`]); nothing otherwise. Never on a
 /// connection in a transaction: sqlx would not know of it, and would end it.
-pub(crate) async fn begin_alone<DB: Database>(
+pub(crate) async fn begin_own_transaction<DB: Database>(
     conn: &mut DB::Connection,
     pooled: bool,
 ) -> Result<(), sqlx::Error> {
@@ -58,9 +102,9 @@ pub(crate) async fn begin_alone<DB: Database>(
     Ok(())
 }
 
-/// Ends what [`begin_alone`] began: commits after `outcome` succeeded, rolls back after it failed
+/// Ends what [`begin_own_transaction`] began: commits after `outcome` succeeded, rolls back after it failed
 /// (and on a failed rollback the caller closes the connection, which ends the transaction).
-pub(crate) async fn end_alone<DB: Database, T>(
+pub(crate) async fn end_own_transaction<DB: Database, T>(
     conn: &mut DB::Connection,
     pooled: bool,
     outcome: Result<T, sqlx::Error>,
@@ -74,15 +118,15 @@ pub(crate) async fn end_alone<DB: Database, T>(
     outcome
 }
 
-/// Runs the future `$run` (which uses `$conn`) between [`begin_alone`] and [`end_alone`].
-macro_rules! alone {
+/// Runs the future `$run` (which uses `$conn`) between [`begin_own_transaction`] and [`end_own_transaction`].
+macro_rules! in_own_transaction {
     ($conn:ident, $statements:expr, $run:expr) => {{
-        $crate::store::begin_alone::<DB>($conn, $statements.pooled).await?;
+        $crate::store::begin_own_transaction::<DB>($conn, $statements.pooled).await?;
         let outcome = $run.await;
-        $crate::store::end_alone::<DB, _>($conn, $statements.pooled, outcome).await
+        $crate::store::end_own_transaction::<DB, _>($conn, $statements.pooled, outcome).await
     }};
 }
-pub(super) use alone;
+pub(crate) use in_own_transaction;
 
 /// The shared statements; see the module docs.
 pub trait Queries: Store {
@@ -378,8 +422,8 @@ where
         key: &[u8],
         fingerprint: Option<&[u8]>,
     ) -> Result<bool, sqlx::Error> {
-        let done = sqlx::query(AssertSqlSafe(statements.claim.clone()))
-            .persistent(!statements.pooled)
+        let done = statements
+            .query(AssertSqlSafe(statements.claim.clone()))
             .bind(consumer)
             .bind(key)
             .bind(fingerprint)
@@ -394,8 +438,8 @@ where
         consumer: &str,
         key: &[u8],
     ) -> Result<(), sqlx::Error> {
-        sqlx::query(AssertSqlSafe(statements.forget_claim.clone()))
-            .persistent(!statements.pooled)
+        statements
+            .query(AssertSqlSafe(statements.forget_claim.clone()))
             .bind(consumer)
             .bind(key)
             .execute(conn)
@@ -410,8 +454,8 @@ where
         key: &[u8],
         response: &[u8],
     ) -> Result<(), sqlx::Error> {
-        sqlx::query(AssertSqlSafe(statements.set_response.clone()))
-            .persistent(!statements.pooled)
+        statements
+            .query(AssertSqlSafe(statements.set_response.clone()))
             .bind(response)
             .bind(consumer)
             .bind(key)
@@ -426,11 +470,11 @@ where
         consumer: &str,
         key: &[u8],
     ) -> Result<Option<StoredRow>, sqlx::Error> {
-        alone!(
+        in_own_transaction!(
             conn,
             statements,
-            sqlx::query_as(AssertSqlSafe(statements.stored.clone()))
-                .persistent(!statements.pooled)
+            statements
+                .query_as(AssertSqlSafe(statements.stored.clone()))
                 .bind(consumer)
                 .bind(key)
                 .fetch_optional(&mut *conn)
@@ -441,11 +485,11 @@ where
         conn: &mut DB::Connection,
         statements: &Statements,
     ) -> Result<i64, sqlx::Error> {
-        alone!(
+        in_own_transaction!(
             conn,
             statements,
-            sqlx::query_scalar(AssertSqlSafe(statements.now.clone()))
-                .persistent(!statements.pooled)
+            statements
+                .query_scalar(AssertSqlSafe(statements.now.clone()))
                 .fetch_one(&mut *conn)
         )
     }
@@ -458,9 +502,9 @@ where
         consumers: &[String],
         batch: i64,
     ) -> Result<u64, sqlx::Error> {
-        let query = sqlx::query(AssertSqlSafe(sql.sql.clone())).persistent(!statements.pooled);
+        let query = statements.query(AssertSqlSafe(sql.sql.clone()));
         let query = bind_purge!(query, sql, cutoff, consumers, batch);
-        Ok(alone!(conn, statements, query.execute(&mut *conn))?.rows())
+        Ok(in_own_transaction!(conn, statements, query.execute(&mut *conn))?.rows())
     }
 
     async fn purge_count(
@@ -470,9 +514,9 @@ where
         cutoff: i64,
         consumers: &[String],
     ) -> Result<Vec<(String, i64)>, sqlx::Error> {
-        let query = sqlx::query_as(AssertSqlSafe(sql.sql.clone())).persistent(!statements.pooled);
+        let query = statements.query_as(AssertSqlSafe(sql.sql.clone()));
         let query = bind_purge!(query, sql, cutoff, consumers, 0i64);
-        alone!(conn, statements, query.fetch_all(&mut *conn))
+        in_own_transaction!(conn, statements, query.fetch_all(&mut *conn))
     }
 
     async fn purge_consumers(
@@ -482,10 +526,9 @@ where
         cutoff: i64,
         consumers: &[String],
     ) -> Result<Vec<String>, sqlx::Error> {
-        let query =
-            sqlx::query_scalar(AssertSqlSafe(sql.sql.clone())).persistent(!statements.pooled);
+        let query = statements.query_scalar(AssertSqlSafe(sql.sql.clone()));
         let query = bind_purge!(query, sql, cutoff, consumers, 0i64);
-        alone!(conn, statements, query.fetch_all(&mut *conn))
+        in_own_transaction!(conn, statements, query.fetch_all(&mut *conn))
     }
 
     async fn record_horizon(
@@ -494,11 +537,11 @@ where
         consumer: &str,
         until: i64,
     ) -> Result<(), sqlx::Error> {
-        alone!(
+        in_own_transaction!(
             conn,
             statements,
-            sqlx::query(AssertSqlSafe(statements.record_horizon.clone()))
-                .persistent(!statements.pooled)
+            statements
+                .query(AssertSqlSafe(statements.record_horizon.clone()))
                 .bind(consumer)
                 .bind(until)
                 .execute(&mut *conn)
@@ -511,8 +554,8 @@ where
         statements: &Statements,
         consumer: &str,
     ) -> Result<Option<i64>, sqlx::Error> {
-        sqlx::query_scalar(AssertSqlSafe(statements.horizon.clone()))
-            .persistent(!statements.pooled)
+        statements
+            .query_scalar(AssertSqlSafe(statements.horizon.clone()))
             .bind(consumer)
             .fetch_optional(conn)
             .await
@@ -524,8 +567,8 @@ where
         consumer: &str,
         key: &[u8],
     ) -> Result<Option<InspectRow>, sqlx::Error> {
-        sqlx::query_as(AssertSqlSafe(statements.inspect.clone()))
-            .persistent(!statements.pooled)
+        statements
+            .query_as(AssertSqlSafe(statements.inspect.clone()))
             .bind(consumer)
             .bind(key)
             .fetch_optional(conn)
@@ -540,11 +583,11 @@ where
         (at, key): (i64, &[u8]),
         limit: i64,
     ) -> Result<Vec<ListRow>, sqlx::Error> {
-        alone!(
+        in_own_transaction!(
             conn,
             statements,
-            sqlx::query_as(AssertSqlSafe(statements.list.clone()))
-                .persistent(!statements.pooled)
+            statements
+                .query_as(AssertSqlSafe(statements.list.clone()))
                 .bind(consumer)
                 .bind(from)
                 .bind(until)
@@ -562,11 +605,11 @@ where
         consumer: Option<&str>,
         limit: i64,
     ) -> Result<Vec<StuckRow>, sqlx::Error> {
-        alone!(
+        in_own_transaction!(
             conn,
             statements,
-            sqlx::query_as(AssertSqlSafe(statements.stuck_calls.clone()))
-                .persistent(!statements.pooled)
+            statements
+                .query_as(AssertSqlSafe(statements.stuck_calls.clone()))
                 .bind(i64::from(consumer.is_none()))
                 .bind(consumer.unwrap_or(""))
                 .bind(limit)
@@ -580,8 +623,8 @@ where
         consumer: &str,
         key: &[u8],
     ) -> Result<bool, sqlx::Error> {
-        let done = sqlx::query(AssertSqlSafe(statements.forget.clone()))
-            .persistent(!statements.pooled)
+        let done = statements
+            .query(AssertSqlSafe(statements.forget.clone()))
             .bind(consumer)
             .bind(key)
             .execute(conn)
@@ -597,8 +640,8 @@ where
         reason: &str,
         processed_ms: i64,
     ) -> Result<(), sqlx::Error> {
-        sqlx::query(AssertSqlSafe(statements.audit_insert.clone()))
-            .persistent(!statements.pooled)
+        statements
+            .query(AssertSqlSafe(statements.audit_insert.clone()))
             .bind(consumer)
             .bind(digest)
             .bind(reason)
@@ -614,11 +657,11 @@ where
         consumer: Option<&str>,
         limit: i64,
     ) -> Result<Vec<AuditRow>, sqlx::Error> {
-        alone!(
+        in_own_transaction!(
             conn,
             statements,
-            sqlx::query_as(AssertSqlSafe(statements.audit_read.clone()))
-                .persistent(!statements.pooled)
+            statements
+                .query_as(AssertSqlSafe(statements.audit_read.clone()))
                 .bind(i64::from(consumer.is_none()))
                 .bind(consumer.unwrap_or(""))
                 .bind(limit)
@@ -630,17 +673,17 @@ where
         conn: &mut DB::Connection,
         statements: &Statements,
     ) -> Result<StatsRows, sqlx::Error> {
-        alone!(conn, statements, async {
-            let rows = sqlx::query_as(AssertSqlSafe(statements.stats_rows.clone()))
-                .persistent(!statements.pooled)
+        in_own_transaction!(conn, statements, async {
+            let rows = statements
+                .query_as(AssertSqlSafe(statements.stats_rows.clone()))
                 .fetch_all(&mut *conn)
                 .await?;
-            let calls = sqlx::query_as(AssertSqlSafe(statements.stats_calls.clone()))
-                .persistent(!statements.pooled)
+            let calls = statements
+                .query_as(AssertSqlSafe(statements.stats_calls.clone()))
                 .fetch_all(&mut *conn)
                 .await?;
-            let horizons = sqlx::query_as(AssertSqlSafe(statements.stats_horizons.clone()))
-                .persistent(!statements.pooled)
+            let horizons = statements
+                .query_as(AssertSqlSafe(statements.stats_horizons.clone()))
                 .fetch_all(&mut *conn)
                 .await?;
             Ok((rows, calls, horizons))
@@ -651,8 +694,8 @@ where
         conn: &mut DB::Connection,
         statements: &Statements,
     ) -> Result<Option<i64>, sqlx::Error> {
-        sqlx::query_scalar(AssertSqlSafe(statements.schema_version.clone()))
-            .persistent(!statements.pooled)
+        statements
+            .query_scalar(AssertSqlSafe(statements.schema_version.clone()))
             .fetch_one(conn)
             .await
     }
@@ -663,11 +706,11 @@ where
         id: CallId<'_>,
         lease_ms: i64,
     ) -> Result<bool, sqlx::Error> {
-        let done = alone!(
+        let done = in_own_transaction!(
             conn,
             statements,
-            sqlx::query(AssertSqlSafe(statements.call_insert.clone()))
-                .persistent(!statements.pooled)
+            statements
+                .query(AssertSqlSafe(statements.call_insert.clone()))
                 .bind(id.consumer)
                 .bind(id.key)
                 .bind(id.name)
@@ -682,11 +725,11 @@ where
         statements: &Statements,
         id: CallId<'_>,
     ) -> Result<Option<CallRow>, sqlx::Error> {
-        alone!(
+        in_own_transaction!(
             conn,
             statements,
-            sqlx::query_as(AssertSqlSafe(statements.call_read.clone()))
-                .persistent(!statements.pooled)
+            statements
+                .query_as(AssertSqlSafe(statements.call_read.clone()))
                 .bind(id.consumer)
                 .bind(id.key)
                 .bind(id.name)
@@ -701,11 +744,11 @@ where
         fence: i64,
         lease_ms: i64,
     ) -> Result<bool, sqlx::Error> {
-        let done = alone!(
+        let done = in_own_transaction!(
             conn,
             statements,
-            sqlx::query(AssertSqlSafe(statements.call_take_over.clone()))
-                .persistent(!statements.pooled)
+            statements
+                .query(AssertSqlSafe(statements.call_take_over.clone()))
                 .bind(lease_ms)
                 .bind(id.consumer)
                 .bind(id.key)
@@ -723,11 +766,11 @@ where
         fence: i64,
         result: &[u8],
     ) -> Result<bool, sqlx::Error> {
-        let done = alone!(
+        let done = in_own_transaction!(
             conn,
             statements,
-            sqlx::query(AssertSqlSafe(statements.call_complete.clone()))
-                .persistent(!statements.pooled)
+            statements
+                .query(AssertSqlSafe(statements.call_complete.clone()))
                 .bind(result)
                 .bind(id.consumer)
                 .bind(id.key)
@@ -745,11 +788,11 @@ where
         fence: i64,
         lease_ms: i64,
     ) -> Result<bool, sqlx::Error> {
-        let done = alone!(
+        let done = in_own_transaction!(
             conn,
             statements,
-            sqlx::query(AssertSqlSafe(statements.call_extend.clone()))
-                .persistent(!statements.pooled)
+            statements
+                .query(AssertSqlSafe(statements.call_extend.clone()))
                 .bind(lease_ms)
                 .bind(id.consumer)
                 .bind(id.key)
@@ -765,8 +808,8 @@ where
         statements: &Statements,
         id: CallId<'_>,
     ) -> Result<Option<i64>, sqlx::Error> {
-        sqlx::query_scalar(AssertSqlSafe(statements.call_pending.clone()))
-            .persistent(!statements.pooled)
+        statements
+            .query_scalar(AssertSqlSafe(statements.call_pending.clone()))
             .bind(id.consumer)
             .bind(id.key)
             .bind(id.name)
@@ -782,8 +825,8 @@ where
         response: &[u8],
         tried: &[u8],
     ) -> Result<bool, sqlx::Error> {
-        let done = sqlx::query(AssertSqlSafe(statements.fill_response.clone()))
-            .persistent(!statements.pooled)
+        let done = statements
+            .query(AssertSqlSafe(statements.fill_response.clone()))
             .bind(response)
             .bind(consumer)
             .bind(key)
@@ -799,8 +842,8 @@ where
         id: CallId<'_>,
         fence: i64,
     ) -> Result<bool, sqlx::Error> {
-        let done = sqlx::query(AssertSqlSafe(statements.call_release.clone()))
-            .persistent(!statements.pooled)
+        let done = statements
+            .query(AssertSqlSafe(statements.call_release.clone()))
             .bind(id.consumer)
             .bind(id.key)
             .bind(id.name)
