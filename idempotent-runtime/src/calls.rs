@@ -43,7 +43,7 @@ async fn read_call<DB: Backend>(
     id: CallId<'_>,
 ) -> Result<Option<CallRow>, InboxError> {
     let row = session
-        .try_step(|conn| DB::call_read(conn, statements, id))
+        .try_step(|conn| DB::call_read(conn, &statements.calls, id))
         .await
         .map_err(database_error(Stage::Call))?;
     Ok(row)
@@ -215,17 +215,24 @@ impl<DB: Backend> Inbox<DB> {
                 fence,
             })
         };
-        let inserted = DB::call_insert(&mut *conn, statements, id, lease_ms)
+        let inserted = DB::call_insert(&mut *conn, &statements.calls, id, lease_ms)
             .await
             .map_err(database_error(Stage::Call))?;
         if inserted {
             tracing::debug!(consumer, call = name, key = %key.digest(), "call pending");
             return Ok(run(1));
         }
-        let row = DB::call_read(&mut *conn, statements, id)
+        let row = DB::call_read(&mut *conn, &statements.calls, id)
             .await
             .map_err(database_error(Stage::Call))?;
-        let Some((fence, lease_until, completed, result, now)) = row else {
+        let Some(CallRow {
+            fence,
+            lease_until,
+            completed,
+            result,
+            now_ms: now,
+        }) = row
+        else {
             // Deleted between the two statements: as good as in progress; try again.
             return Err(InboxError::CallInProgress {
                 retry_after: Duration::ZERO,
@@ -246,7 +253,7 @@ impl<DB: Backend> Inbox<DB> {
             );
             return Err(InboxError::CallInProgress { retry_after });
         }
-        let taken = DB::call_take_over(&mut *conn, statements, id, fence, lease_ms)
+        let taken = DB::call_take_over(&mut *conn, &statements.calls, id, fence, lease_ms)
             .await
             .map_err(database_error(Stage::Call))?;
         if taken {
@@ -280,8 +287,13 @@ impl<DB: Backend> Inbox<DB> {
         };
         let row = read_call(&mut session, &self.config.statements, id).await?;
         Ok(match row {
-            Some((_, lease_until, false, _, now)) if lease_until > now => {
-                Some(Duration::from_millis((lease_until - now) as u64))
+            Some(CallRow {
+                lease_until,
+                completed: false,
+                now_ms,
+                ..
+            }) if lease_until > now_ms => {
+                Some(Duration::from_millis((lease_until - now_ms) as u64))
             }
             _ => None,
         })
@@ -300,7 +312,7 @@ impl<DB: Backend> Inbox<DB> {
             .try_step(|conn| {
                 DB::call_extend(
                     conn,
-                    &self.config.statements,
+                    &self.config.statements.calls,
                     held.id(),
                     held.fence,
                     millis(lease),
@@ -326,7 +338,9 @@ impl<DB: Backend> Inbox<DB> {
         let statements = &self.config.statements;
         let mut session = self.call_session().await?;
         let completed = session
-            .try_step(|conn| DB::call_complete(conn, statements, lease.id(), lease.fence, &bytes))
+            .try_step(|conn| {
+                DB::call_complete(conn, &statements.calls, lease.id(), lease.fence, &bytes)
+            })
             .await
             .map_err(database_error(Stage::Call))?;
         if completed {
@@ -337,8 +351,12 @@ impl<DB: Backend> Inbox<DB> {
             );
             return Ok(());
         }
-        if let Some((fence, _, true, stored, _)) =
-            read_call(&mut session, statements, lease.id()).await?
+        if let Some(CallRow {
+            fence,
+            completed: true,
+            result: stored,
+            ..
+        }) = read_call(&mut session, statements, lease.id()).await?
             && fence == lease.fence
         {
             if stored.as_deref() == Some(&bytes[..]) {
@@ -374,8 +392,8 @@ impl<DB: Backend> Inbox<DB> {
             .try_step(|conn| async move {
                 in_own_transaction!(
                     conn,
-                    statements,
-                    DB::call_release(&mut *conn, statements, id, lease.fence)
+                    &statements.calls,
+                    DB::call_release(&mut *conn, &statements.calls, id, lease.fence)
                 )
             })
             .await

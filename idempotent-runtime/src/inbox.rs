@@ -17,7 +17,7 @@ use crate::retention::{self, Expired, PurgeReport, Purger, PurgerOptions, Retent
 use crate::schema::{self, Migration};
 use crate::session::{Session, Source, Spares, Worker};
 use crate::store::{
-    Backend, Ending, HandlerConnection, RolledBack, Statements, database_error, fault_of,
+    Backend, Ending, HandlerConnection, RolledBack, Statements, StoredRow, database_error, fault_of,
 };
 use crate::table::TableName;
 use crate::transaction::{BeginError, ClaimOutcome, InboxTransaction, Resources};
@@ -308,11 +308,13 @@ impl<DB: Backend> Inbox<DB> {
             return Ok(Claim::Duplicate { response: None });
         }
         let statements = &self.config.statements;
-        let (response, stored_fingerprint) =
-            DB::stored(session.get(), statements, consumer, key.as_bytes())
-                .await
-                .map_err(database_error(Stage::Inspect))?
-                .unwrap_or_default();
+        let StoredRow {
+            response,
+            fingerprint: stored_fingerprint,
+        } = DB::stored(session.get(), &statements.inbox, consumer, key.as_bytes())
+            .await
+            .map_err(database_error(Stage::Inspect))?
+            .unwrap_or_default();
         if let (Some(ours), Some(theirs)) = (options.fingerprint, stored_fingerprint.as_deref())
             && ours != theirs
         {
@@ -450,7 +452,14 @@ impl<DB: Backend> Inbox<DB> {
             .await
             .map_err(database_error(Stage::Inspect))?;
         let row = session
-            .try_step(|conn| DB::stored(conn, &self.config.statements, consumer, key.as_bytes()))
+            .try_step(|conn| {
+                DB::stored(
+                    conn,
+                    &self.config.statements.inbox,
+                    consumer,
+                    key.as_bytes(),
+                )
+            })
             .await
             .map_err(database_error(Stage::Inspect))?;
         Ok(row.is_some())
@@ -614,7 +623,7 @@ impl<DB: Backend> Claimed<DB> {
     pub(crate) async fn store_response(&mut self, response: &[u8]) -> Result<(), InboxError> {
         DB::set_response(
             self.tx.connection(),
-            &self.config.statements,
+            &self.config.statements.inbox,
             &self.consumer,
             self.key.as_bytes(),
             response,
@@ -868,7 +877,7 @@ async fn ended_by_body<DB: Backend>(
     let key_committed = match claim {
         Some((statements, consumer, key)) => {
             let row = session
-                .step(|conn| DB::stored(conn, statements, consumer, key.as_bytes()))
+                .step(|conn| DB::stored(conn, &statements.inbox, consumer, key.as_bytes()))
                 .await;
             // Unknown counts as committed: a redelivery is then at worst a duplicate.
             row.map_or(true, |row| row.is_some())

@@ -216,14 +216,16 @@ fn passes(statements: &Statements, retention: &Retention) -> Vec<Pass> {
         .per_consumer
         .iter()
         .map(|(consumer, retention)| Pass {
-            statements: statements.purge(PurgeScope::Consumer),
+            statements: statements.horizons.purge(PurgeScope::Consumer),
             retention_ms: millis(*retention),
             consumers: vec![consumer.clone()],
         })
         .collect();
     let overridden: Vec<String> = retention.per_consumer.keys().cloned().collect();
     passes.push(Pass {
-        statements: statements.purge(PurgeScope::AllBut(overridden.len())),
+        statements: statements
+            .horizons
+            .purge(PurgeScope::AllBut(overridden.len())),
         retention_ms: millis(retention.default),
         consumers: overridden,
     });
@@ -285,7 +287,7 @@ async fn purge_locked<DB: Backend>(
     let mut session = Session::take(source).await.map_err(failed())?;
     // One clock for the whole purge: the horizon it records covers every row it deletes.
     let now = session
-        .try_step(|conn| DB::now_ms(conn, scope.statements))
+        .try_step(|conn| DB::now_ms(conn, &scope.statements.horizons))
         .await
         .map_err(failed())?;
     let mut report = PurgeReport::default();
@@ -298,13 +300,21 @@ async fn purge_locked<DB: Backend>(
         // is then one short write.
         let expiring = session
             .try_step(|conn| {
-                DB::purge_consumers(conn, scope.statements, &sql.expiring, cutoff, consumers)
+                DB::purge_consumers(
+                    conn,
+                    &scope.statements.horizons,
+                    &sql.expiring,
+                    cutoff,
+                    consumers,
+                )
             })
             .await
             .map_err(failed())?;
         for consumer in &expiring {
             session
-                .try_step(|conn| DB::record_horizon(conn, scope.statements, consumer, cutoff))
+                .try_step(|conn| {
+                    DB::record_horizon(conn, &scope.statements.horizons, consumer, cutoff)
+                })
                 .await
                 .map_err(failed())?;
         }
@@ -368,7 +378,7 @@ impl Batches<'_> {
                 .try_step(|conn| {
                     DB::purge_step(
                         conn,
-                        scope.statements,
+                        &scope.statements.horizons,
                         statement,
                         self.cutoff,
                         self.consumers,
@@ -405,7 +415,7 @@ pub(crate) async fn preview<DB: Backend>(
     let failed = || database_error(Stage::Purge);
     let mut session = Session::take(source).await.map_err(failed())?;
     let now = session
-        .try_step(|conn| DB::now_ms(conn, statements))
+        .try_step(|conn| DB::now_ms(conn, &statements.horizons))
         .await
         .map_err(failed())?;
     let mut expired: BTreeMap<String, Expired> = BTreeMap::new();
@@ -413,7 +423,9 @@ pub(crate) async fn preview<DB: Backend>(
         let cutoff = cutoff(now, pass.retention_ms);
         for (i, count) in pass.statements.count.iter().enumerate() {
             let counts = session
-                .try_step(|conn| DB::purge_count(conn, statements, count, cutoff, &pass.consumers))
+                .try_step(|conn| {
+                    DB::purge_count(conn, &statements.horizons, count, cutoff, &pass.consumers)
+                })
                 .await
                 .map_err(failed())?;
             for (consumer, n) in counts {
@@ -443,7 +455,7 @@ pub(crate) async fn check_horizon<DB: Backend>(
     sent_at: SystemTime,
     margin: Duration,
 ) -> Result<(), InboxError> {
-    let horizon = DB::horizon(conn, statements, consumer)
+    let horizon = DB::horizon(conn, &statements.horizons, consumer)
         .await
         .map_err(database_error(Stage::Claim))?;
     match horizon {

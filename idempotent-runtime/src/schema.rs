@@ -71,7 +71,7 @@ fn steps<DB: Backend>(table: &TableName, statements: &Statements, from: u32) -> 
     for to in from.max(1) + 1..=CURRENT_VERSION {
         steps.extend(DB::upgrade_ddl(table, to));
     }
-    steps.push(statements.record_version(CURRENT_VERSION));
+    steps.push(statements.audit.record_version(CURRENT_VERSION));
     steps
 }
 
@@ -142,7 +142,7 @@ async fn version<DB: Backend>(
 ) -> Result<u32, sqlx::Error> {
     let schema = format!("{table}_schema");
     if DB::table_exists(conn, &schema).await?
-        && let Some(version) = DB::schema_version(conn, statements).await?
+        && let Some(version) = DB::schema_version(conn, &statements.audit).await?
     {
         return Ok(u32::try_from(version).unwrap_or(u32::MAX));
     }

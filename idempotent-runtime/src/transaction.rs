@@ -107,7 +107,8 @@ impl<DB: Backend> InboxTransaction<DB> {
     ) -> Result<ClaimOutcome<DB>, BeginError> {
         let turn = take_turn(with.writers).await;
         let mut tx = Self::begin_on(session, turn).await?;
-        let pipelined = DB::pipelined_claim(settings, statements, consumer, key, fingerprint);
+        let pipelined =
+            DB::pipelined_claim(settings, &statements.inbox, consumer, key, fingerprint);
         let claimed = match pipelined {
             Some(message) => tx.pipelined_claim(&message, statements, settings).await,
             None => Err(Pipeline::NotSent),
@@ -211,7 +212,7 @@ impl<DB: Backend> InboxTransaction<DB> {
         let prepared = self
             .session
             .try_step(|conn| async {
-                match DB::prepare_pipelined_claim(conn, settings, statements).await {
+                match DB::prepare_pipelined_claim(conn, settings, &statements.inbox).await {
                     Ok(()) => Ok(true),
                     // The session that prepares it has it already, though the one that claimed
                     // had not: a pooler in transaction mode runs each transaction on another
@@ -262,7 +263,7 @@ impl<DB: Backend> InboxTransaction<DB> {
             self.open().await?;
             let inserted = self
                 .session
-                .step(|conn| DB::insert_key(conn, statements, consumer, key, fingerprint))
+                .step(|conn| DB::insert_key(conn, &statements.inbox, consumer, key, fingerprint))
                 .await;
             match inserted {
                 Err(error) if attempt == 0 && DB::lost_statement(&error) => {

@@ -34,8 +34,8 @@ use crate::in_flight::Entered;
 use crate::inbox::{Claim, ClaimOptions, Claimed, Inbox, commit};
 use crate::key::MessageKey;
 use crate::session::Session;
-use crate::store::database_error;
-use crate::store::no_wait::Attempt;
+use crate::store::try_claim::Attempt;
+use crate::store::{StoredRow, database_error};
 use crate::transaction::{BeginError, InboxTransaction};
 
 /// How long a leased route tries to store a response at least (longer if its lease is), keeping
@@ -302,7 +302,7 @@ impl<DB: HttpBackend> Run<DB> {
         let statements = &self.inbox().config.statements;
         let row = DB::stored(
             claimed.connection(),
-            statements,
+            &statements.inbox,
             self.consumer(),
             self.key.as_bytes(),
         )
@@ -364,7 +364,7 @@ impl<DB: HttpBackend> Run<DB> {
                 let statements = &self.inbox().config.statements;
                 let filled = DB::fill_response(
                     tx.connection(),
-                    statements,
+                    &statements.inbox,
                     self.consumer(),
                     self.key.as_bytes(),
                     answer,
@@ -634,10 +634,14 @@ impl<DB: HttpBackend> Run<DB> {
         };
         claimed.store_response(&stored.encode()).await?;
         let statements = &self.inbox().config.statements;
-        let released =
-            DB::call_release(claimed.connection(), statements, lease.id(), lease.fence())
-                .await
-                .map_err(database_error(Stage::Call))?;
+        let released = DB::call_release(
+            claimed.connection(),
+            &statements.calls,
+            lease.id(),
+            lease.fence(),
+        )
+        .await
+        .map_err(database_error(Stage::Call))?;
         claimed.commit().await?;
         if !released {
             tracing::warn!(
@@ -696,14 +700,18 @@ impl<DB: HttpBackend> Run<DB> {
             .try_step(|conn| {
                 DB::stored(
                     conn,
-                    &inbox.config.statements,
+                    &inbox.config.statements.inbox,
                     self.consumer(),
                     self.key.as_bytes(),
                 )
             })
             .await
             .map_err(inspect)?;
-        let Some((response, fingerprint)) = row else {
+        let Some(StoredRow {
+            response,
+            fingerprint,
+        }) = row
+        else {
             return Ok(None);
         };
         if fingerprint.is_some_and(|stored| stored[..] != self.fingerprint[..]) {

@@ -74,23 +74,18 @@ pub struct OutboxRecord {
 
 impl OutboxRecord {
     fn of(shown: ShownRow) -> Self {
-        let (row, message_id, exchange, routing_key, origin, ordering_key, state, attempts) = (
-            shown.0, shown.1, shown.2, shown.3, shown.4, shown.5, shown.6, shown.7,
-        );
-        let (created_at, sent_at, last_error, payload_len) =
-            (from_ms(shown.8), shown.9, shown.10, shown.11);
         Self {
-            row,
-            message_id,
-            destination: Destination::exchange(exchange, routing_key),
-            origin,
-            ordering_key,
-            state: OutboxState::of(state),
-            attempts: u32::try_from(attempts).unwrap_or(u32::MAX),
-            created_at,
-            sent_at: sent_at.map(from_ms),
-            last_error,
-            payload_len: payload_len.max(0) as u64,
+            row: shown.id,
+            message_id: shown.message_id,
+            destination: Destination::exchange(shown.exchange, shown.routing_key),
+            origin: shown.origin,
+            ordering_key: shown.ordering_key,
+            state: OutboxState::of(shown.state),
+            attempts: u32::try_from(shown.attempts).unwrap_or(u32::MAX),
+            created_at: from_ms(shown.created_at),
+            sent_at: shown.sent_at.map(from_ms),
+            last_error: shown.last_error,
+            payload_len: shown.payload_len.max(0) as u64,
         }
     }
 }

@@ -56,9 +56,8 @@ use sqlx::mysql::{MySqlConnection, MySqlDatabaseError, MySqlTransactionManager};
 use sqlx::{AssertSqlSafe, Executor, MySql};
 use sqlx_core::transaction::TransactionManager;
 
-use super::{
-    Backend, Dialect, Ending, HandlerConnection, OutboxDialect, RolledBack, Statements, Store,
-};
+use super::inbox::InboxStatements;
+use super::{Backend, Dialect, Ending, HandlerConnection, OutboxDialect, RolledBack, Store};
 use crate::error::Fault;
 use crate::table::TableName;
 
@@ -355,11 +354,11 @@ impl Store for MySql {
 
     async fn claim_batch(
         conn: &mut MySqlConnection,
-        statements: &Statements,
+        statements: &InboxStatements,
         consumer: &str,
         keys: &[&[u8]],
     ) -> Result<Vec<Vec<u8>>, sqlx::Error> {
-        use super::Queries;
+        use super::InboxQueries;
         // MySQL has no INSERT … RETURNING: one claim per key, in key order, in the transaction.
         let mut inserted = Vec::new();
         for key in keys {

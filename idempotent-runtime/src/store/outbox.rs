@@ -1,7 +1,6 @@
 //! The outbox's SQL: the rows a handler's transaction writes to `<table>_outbox`, the statements
 //! relays take them with and mark them by, and what operators read. Built once from the dialect,
-//! as the inbox's own statements are (`statements.rs`), and run by one generic implementation
-//! ([`OutboxQueries`]).
+//! as the inbox's own statements are, and run by one generic implementation ([`OutboxQueries`]).
 //!
 //! A row is `pending` (state 0) until a relay saw the broker confirm it, then `sent` (1), or
 //! `parked` (2) after the broker refused it too often. A message with an ordering key also gets
@@ -14,62 +13,44 @@ use std::sync::Arc;
 
 use sqlx::{AssertSqlSafe, Database, Decode, Encode, Executor, Type};
 
-use super::private::Store;
-use super::queries::{QueryBuilder, RowsAffected, in_own_transaction};
-use super::statements::{Bind, Dialect, Params, PurgeSql};
+use super::dialect::{Dialect, OutboxDialect, Params};
+use super::purge::{Bind, PurgeSql};
+use super::query::{QueryBuilder, RowsAffected, in_own_transaction};
 use crate::table::TableName;
 
-/// What the outbox's statements need that the inbox's do not.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct OutboxDialect {
-    /// What ends a relay's read of the rows it takes, so that other relays skip them: `FOR
-    /// UPDATE SKIP LOCKED` (PostgreSQL, MySQL 8, MariaDB 10.6+), or nothing (SQLite, where the
-    /// relay's transaction holds the database's one write lock).
-    pub(crate) skip_locked: &'static str,
-    /// What ends `INSERT INTO <keys> (ordering_key, last_seq, updated_at) VALUES (…)` so that a
-    /// key already there counts one up instead; `{k}` is the quoted keys table, `{now}` the clock.
-    pub(crate) next_seq: &'static str,
-    /// The statement that wakes the relays listening on channel `{c}` when the transaction
-    /// commits (PostgreSQL's `NOTIFY`), if the database has one.
-    pub(crate) notify: Option<&'static str>,
-    /// A relay takes its rows with `UPDATE … RETURNING`, marking them sent in the statement that
-    /// locks them (PostgreSQL, SQLite: one write per row); failures are set back before the
-    /// commit. Otherwise (MySQL, MariaDB: no `UPDATE … RETURNING`) it locks them with a `SELECT`
-    /// and marks the confirmed ones afterwards.
-    pub(crate) mark_on_take: bool,
+/// A row a relay took, times in milliseconds of the database's clock.
+#[derive(Debug, sqlx::FromRow)]
+pub struct TakenRow {
+    pub(crate) id: i64,
+    pub(crate) message_id: String,
+    pub(crate) exchange: String,
+    pub(crate) routing_key: String,
+    pub(crate) payload: Vec<u8>,
+    pub(crate) headers: Option<Vec<u8>>,
+    pub(crate) attempts: i64,
+    pub(crate) created_at: i64,
+    pub(crate) ordering_key: Option<String>,
+    /// The database's clock as the row was taken.
+    pub(crate) now_ms: i64,
 }
 
-/// A row a relay took: `(id, message_id, exchange, routing_key, payload, headers, attempts,
-/// created_at, ordering_key, now)`, times in milliseconds of the database's clock.
-pub(crate) type TakenRow = (
-    i64,
-    String,
-    String,
-    String,
-    Vec<u8>,
-    Option<Vec<u8>>,
-    i64,
-    i64,
-    Option<String>,
-    i64,
-);
-
-/// A row as operators see it: `(id, message_id, exchange, routing_key, origin, ordering_key,
-/// state, attempts, created_at, sent_at, last_error, payload length)`.
-pub(crate) type ShownRow = (
-    i64,
-    String,
-    String,
-    String,
-    String,
-    Option<String>,
-    i64,
-    i64,
-    i64,
-    Option<i64>,
-    Option<String>,
-    i64,
-);
+/// A row as operators see it, times in milliseconds of the database's clock.
+#[derive(Debug, sqlx::FromRow)]
+pub struct ShownRow {
+    pub(crate) id: i64,
+    pub(crate) message_id: String,
+    pub(crate) exchange: String,
+    pub(crate) routing_key: String,
+    pub(crate) origin: String,
+    pub(crate) ordering_key: Option<String>,
+    pub(crate) state: i64,
+    pub(crate) attempts: i64,
+    pub(crate) created_at: i64,
+    pub(crate) sent_at: Option<i64>,
+    pub(crate) last_error: Option<String>,
+    /// The payload's length in bytes.
+    pub(crate) payload_len: i64,
+}
 
 /// Per state: `(state, rows, oldest created_at)`.
 pub(crate) type StateCount = (i64, i64, Option<i64>);
@@ -166,7 +147,7 @@ impl OutboxStatements {
         let notify = notify.map(|sql| sql.replace("{c}", &channel).into());
         let taken = format!(
             "id, message_id, exchange, routing_key, payload, headers, attempts, created_at, \
-             ordering_key, {now}"
+             ordering_key, {now} AS now_ms"
         );
         let take_unkeyed = Self::take(
             dialect,
@@ -205,7 +186,7 @@ impl OutboxStatements {
         let counts = format!("SELECT state, COUNT(*), MIN(created_at) FROM {o} GROUP BY state");
         let shown = format!(
             "SELECT id, message_id, exchange, routing_key, origin, ordering_key, state, attempts, \
-             created_at, sent_at, last_error, CAST(LENGTH(payload) AS {}) FROM {o}",
+             created_at, sent_at, last_error, CAST(LENGTH(payload) AS {}) AS payload_len FROM {o}",
             dialect.int
         );
         let parked = {
@@ -378,10 +359,8 @@ pub struct Failure<'a> {
     pub(crate) error: &'a str,
 }
 
-/// The outbox's statements, run; implemented once for every backend (see [`Queries`]).
-///
-/// [`Queries`]: super::Queries
-pub trait OutboxQueries: Store {
+/// The outbox's statements, run; implemented once for every backend.
+pub trait OutboxQueries: Database {
     /// Writes `row` in the open transaction, with its ordering key's next number if it has one.
     fn outbox_insert<'a>(
         conn: &'a mut Self::Connection,
@@ -465,19 +444,19 @@ pub trait OutboxQueries: Store {
 
 impl<DB> OutboxQueries for DB
 where
-    DB: Store + sqlx::database::HasStatementCache,
+    DB: Database + sqlx::database::HasStatementCache,
     for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
     for<'q> &'q str: Encode<'q, DB> + Type<DB>,
     for<'q> &'q [u8]: Encode<'q, DB> + Type<DB>,
     for<'q> Option<&'q [u8]>: Encode<'q, DB>,
     <DB as Database>::Arguments: sqlx::IntoArguments<DB>,
     for<'q> i64: Encode<'q, DB> + Type<DB>,
-    for<'r> Option<Vec<u8>>: Decode<'r, DB> + Type<DB>,
+    for<'r> Option<i64>: Decode<'r, DB>,
     for<'r> i64: Decode<'r, DB>,
     for<'r> String: Decode<'r, DB> + Type<DB>,
-    for<'r> Vec<u8>: Decode<'r, DB> + Type<DB>,
-    for<'r> Option<i64>: Decode<'r, DB>,
     usize: sqlx::ColumnIndex<DB::Row>,
+    for<'r> TakenRow: sqlx::FromRow<'r, DB::Row>,
+    for<'r> ShownRow: sqlx::FromRow<'r, DB::Row>,
     DB::QueryResult: RowsAffected,
 {
     async fn outbox_insert(
@@ -552,7 +531,7 @@ where
                 .await?;
             rows.extend(unkeyed);
         }
-        rows.sort_by_key(|row| row.0);
+        rows.sort_by_key(|row| row.id);
         Ok(rows)
     }
 
@@ -683,46 +662,10 @@ where
     }
 }
 
-/// Listens on `channel` and calls `wake` for each notification, and once after each reconnection
-/// (the notifications sent meanwhile are lost); reconnects after failures, for ever.
-#[cfg(feature = "postgres")]
-pub(crate) async fn listen_postgres(
-    pool: sqlx::PgPool,
-    channel: String,
-    wake: Arc<dyn Fn() + Send + Sync>,
-) {
-    use sqlx::postgres::PgListener;
-    let mut pause = std::time::Duration::from_millis(100);
-    loop {
-        let mut listening = false;
-        let failed: Result<std::convert::Infallible, sqlx::Error> = async {
-            let mut listener = PgListener::connect_with(&pool).await?;
-            listener.listen(&channel).await?;
-            listening = true;
-            // Rows committed before the LISTEN took effect notified nobody.
-            wake();
-            loop {
-                // `None`: the connection was lost and is back; what was notified meanwhile is
-                // gone, so wake up either way.
-                listener.try_recv().await?;
-                wake();
-            }
-        }
-        .await;
-        let Err(error) = failed;
-        tracing::debug!(%channel, %error, "the outbox's listener failed; relays poll meanwhile");
-        wake();
-        if listening {
-            pause = std::time::Duration::from_millis(100);
-        }
-        tokio::time::sleep(pause).await;
-        pause = (pause * 2).min(std::time::Duration::from_secs(5));
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store::dialect::OutboxDialect;
 
     fn dialect() -> Dialect {
         Dialect {

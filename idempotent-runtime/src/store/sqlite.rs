@@ -44,9 +44,8 @@ use sqlx::sqlite::{
 use sqlx::{AssertSqlSafe, Executor, SqlSafeStr, Sqlite};
 use sqlx_core::transaction::TransactionManager;
 
-use super::{
-    Backend, Dialect, Ending, HandlerConnection, OutboxDialect, RolledBack, Statements, Store,
-};
+use super::inbox::InboxStatements;
+use super::{Backend, Dialect, Ending, HandlerConnection, OutboxDialect, RolledBack, Store};
 use crate::error::Fault;
 use crate::table::TableName;
 
@@ -373,7 +372,7 @@ impl Store for Sqlite {
 
     async fn claim_batch(
         conn: &mut SqliteConnection,
-        statements: &Statements,
+        statements: &InboxStatements,
         consumer: &str,
         keys: &[&[u8]],
     ) -> Result<Vec<Vec<u8>>, sqlx::Error> {

@@ -65,9 +65,9 @@ use sqlx::postgres::{PgConnection, PgDatabaseError, PgTransactionManager};
 use sqlx::{AssertSqlSafe, Executor, PgPool, Postgres, Row, SqlSafeStr};
 use sqlx_core::transaction::TransactionManager;
 
+use super::inbox::InboxStatements;
 use super::{
-    Backend, Dialect, Ending, HandlerConnection, OutboxDialect, QueryBuilder, RolledBack,
-    Statements, Store,
+    Backend, Dialect, Ending, HandlerConnection, OutboxDialect, QueryBuilder, RolledBack, Store,
 };
 use crate::error::Fault;
 use crate::key::hex;
@@ -92,6 +92,8 @@ mod settings {
     }
 }
 use settings::PgSettings;
+
+mod listen;
 
 /// The settings of an inbox that sends its claim with its `BEGIN`.
 pub(crate) fn pipelined() -> PgSettings {
@@ -135,7 +137,7 @@ impl Store for Postgres {
 
     fn pipelined_claim(
         settings: &PgSettings,
-        statements: &Statements,
+        statements: &InboxStatements,
         consumer: &str,
         key: &[u8],
         fingerprint: Option<&[u8]>,
@@ -160,7 +162,7 @@ impl Store for Postgres {
     async fn prepare_pipelined_claim(
         conn: &mut PgConnection,
         _settings: &PgSettings,
-        statements: &Statements,
+        statements: &InboxStatements,
     ) -> Result<(), sqlx::Error> {
         let prepare = PreparedClaim::new(statements).prepare;
         conn.execute(AssertSqlSafe(prepare)).await?;
@@ -383,7 +385,7 @@ impl Store for Postgres {
 
     async fn claim_batch(
         conn: &mut PgConnection,
-        statements: &Statements,
+        statements: &InboxStatements,
         consumer: &str,
         keys: &[&[u8]],
     ) -> Result<Vec<Vec<u8>>, sqlx::Error> {
@@ -457,7 +459,7 @@ impl Store for Postgres {
         channel: &str,
         wake: std::sync::Arc<dyn Fn() + Send + Sync>,
     ) -> Option<tokio::task::JoinHandle<()>> {
-        Some(tokio::spawn(super::outbox::listen_postgres(
+        Some(tokio::spawn(listen::listen(
             pool.clone(),
             channel.to_owned(),
             wake,
@@ -516,7 +518,7 @@ struct PreparedClaim {
 }
 
 impl PreparedClaim {
-    fn new(statements: &Statements) -> Self {
+    fn new(statements: &InboxStatements) -> Self {
         let insert = statements
             .table_sql("INSERT INTO {t} (consumer, message_key, fingerprint) VALUES ($1, $2, $3)");
         let name = format!("idempotent_claim_{}", &hex(&Sha256::digest(&insert))[..16]);
