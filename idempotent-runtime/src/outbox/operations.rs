@@ -4,10 +4,10 @@
 
 use std::time::SystemTime;
 
-use super::message::Destination;
 use crate::clock::from_ms;
 use crate::error::{InboxError, Stage};
 use crate::inbox::Inbox;
+use crate::inbox::outgoing::Destination;
 use crate::session::Session;
 use crate::store::{Backend, PARKED, PENDING, SENT, ShownRow, database_error};
 

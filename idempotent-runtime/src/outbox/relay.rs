@@ -15,10 +15,10 @@ use std::time::{Duration, Instant};
 use tokio::sync::{Notify, watch};
 use tokio::task::JoinHandle;
 
-use super::message::{Destination, decode_headers};
 use super::publisher::{Publication, PublishError, Publisher};
 use crate::clock::millis;
 use crate::error::{InboxError, Stage};
+use crate::inbox::outgoing::{Destination, decode_headers};
 use crate::inbox::{Inbox, commit};
 use crate::metrics::OutboxMetrics;
 use crate::session::Session;
