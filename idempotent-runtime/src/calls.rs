@@ -16,7 +16,6 @@
 //! database's, so instances with skewed clocks agree.
 
 use std::future::Future;
-use std::pin::Pin;
 use std::time::Duration;
 
 use serde::Serialize;
@@ -24,10 +23,11 @@ use serde::de::DeserializeOwned;
 
 use crate::clock::millis;
 use crate::error::{Error, InboxError, Stage};
-use crate::inbox::{Inbox, check_consumer, check_name, decode_response};
+use crate::inbox::{Claimed, Inbox, check_consumer, check_name, decode_response};
 use crate::key::{IdempotencyKey, MessageKey};
 use crate::metrics::CallOutcome;
 use crate::session::Session;
+use crate::store::CallGate;
 use crate::store::{Backend, CallId, CallRow, database_error, in_own_transaction};
 use sqlx_core::transaction::TransactionManager;
 
@@ -87,17 +87,6 @@ pub enum CallStart<R> {
     /// The call was completed before; here is its result. Do not call again.
     Completed(R),
 }
-
-/// A lock that [`Inbox::begin_call_gated`] takes first, in the transaction that records the call:
-/// `Ok(false)` when another transaction holds it.
-pub(crate) type CallGate<'g, DB> = Box<
-    dyn for<'c> FnOnce(
-            &'c mut <DB as sqlx::Database>::Connection,
-        )
-            -> Pin<Box<dyn Future<Output = Result<bool, sqlx::Error>> + Send + 'c>>
-        + Send
-        + 'g,
->;
 
 /// Whether a gated step passed its gate.
 pub(crate) enum Gated<T> {
@@ -372,6 +361,45 @@ impl<DB: Backend> Inbox<DB> {
             "late attempt fenced off"
         );
         Err(InboxError::Fenced { fence: lease.fence })
+    }
+
+    /// [`begin_call`](Self::begin_call), gated by the HTTP layer's claim of the key: on PostgreSQL
+    /// the call is recorded under the key's advisory lock, which a transactional route's claim of
+    /// the key holds until it ends, so that neither runs while the other is in flight
+    /// ([`Gated::Shut`] when the claim holds it).
+    #[cfg(feature = "http")]
+    pub(crate) async fn begin_call_gated_by_claims<R: DeserializeOwned>(
+        &self,
+        consumer: &str,
+        key: &MessageKey,
+        name: &str,
+        lease: Duration,
+    ) -> Result<Gated<CallStart<R>>, InboxError>
+    where
+        DB: crate::store::try_claim::HttpBackend,
+    {
+        let gate = DB::call_gate(&self.config.statements, consumer, key.as_bytes());
+        self.begin_call_gated(consumer, key, name, lease, gate)
+            .await
+    }
+
+    /// Deletes `lease`'s pending call in `claimed`'s transaction, if its fence is still the
+    /// lease's: `true` when it did (the HTTP layer stores a leased route's response and ends its
+    /// call in one transaction).
+    #[cfg(feature = "http")]
+    pub(crate) async fn release_call_in(
+        &self,
+        claimed: &mut Claimed<DB>,
+        lease: &CallLease,
+    ) -> Result<bool, InboxError> {
+        DB::call_release(
+            claimed.connection(),
+            &self.config.statements.calls,
+            lease.id(),
+            lease.fence,
+        )
+        .await
+        .map_err(database_error(Stage::Call))
     }
 
     /// Gives up a pending call whose outcome this attempt does not want recorded (it failed before

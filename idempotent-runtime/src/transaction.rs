@@ -18,6 +18,7 @@
 //!   outcome is unknown (a failed commit, a failed rollback) closes it everywhere. See
 //!   [`session`](crate::session).
 
+use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -27,7 +28,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::error::Fault;
 use crate::session::{Session, Source};
-use crate::store::{Backend, Ending, RolledBack, Statements, fault_of};
+use crate::store::{Backend, Ending, InboxStatements, RolledBack, Statements, fault_of};
 
 /// How long a transaction waits in the writers' queue before it goes on to the database's lock.
 const WRITERS_QUEUE_PATIENCE: Duration = Duration::from_secs(5);
@@ -259,23 +260,45 @@ impl<DB: Backend> InboxTransaction<DB> {
         key: &[u8],
         fingerprint: Option<&[u8]>,
     ) -> Result<bool, sqlx::Error> {
-        for attempt in 0..2 {
-            self.open().await?;
-            let inserted = self
-                .session
-                .step(|conn| DB::insert_key(conn, &statements.inbox, consumer, key, fingerprint))
-                .await;
-            match inserted {
-                Err(error) if attempt == 0 && DB::lost_statement(&error) => {
-                    // The session lost the statement sqlx had prepared for the claim (a
-                    // `DEALLOCATE ALL`): end the transaction, forget the statements, try again.
-                    self.end_in_rollback().await?;
-                    self.session.try_step(DB::forget_statements).await?;
-                }
-                outcome => return outcome,
+        self.open().await?;
+        let insert = InsertKey {
+            statements: &statements.inbox,
+            consumer,
+            key,
+            fingerprint,
+        };
+        self.claim_in(&insert).await
+    }
+
+    /// Takes a connection, begins a transaction that will write, and makes `claim` in it: the
+    /// open transaction, with what the claim found (after an `Err`, roll the transaction back).
+    #[cfg(feature = "http")]
+    pub(crate) async fn begin_claiming<C: ClaimStatement<DB>>(
+        with: Resources<'_, DB>,
+        claim: &C,
+    ) -> Result<(Self, Result<C::Found, sqlx::Error>), BeginError> {
+        let mut tx = Self::begin(with).await?;
+        let found = tx.claim_in(claim).await;
+        Ok((tx, found))
+    }
+
+    /// Makes `claim` in the open transaction. The one rule for a claim whose session lost the
+    /// statement sqlx had prepared for it (a body's `DEALLOCATE ALL`): the transaction is rolled
+    /// back, the driver's statements are forgotten, and the claim is made once more, in a new
+    /// transaction on the same connection.
+    async fn claim_in<C: ClaimStatement<DB>>(
+        &mut self,
+        claim: &C,
+    ) -> Result<C::Found, sqlx::Error> {
+        match self.session.step(|conn| claim.run(conn)).await {
+            Err(error) if DB::lost_statement(&error) => {
+                self.end_in_rollback().await?;
+                self.session.try_step(DB::forget_statements).await?;
+                self.open().await?;
+                self.session.step(|conn| claim.run(conn)).await
             }
+            found => found,
         }
-        unreachable!("the second attempt returns")
     }
 
     /// The transaction's connection.
@@ -340,6 +363,45 @@ impl<DB: Backend> InboxTransaction<DB> {
     /// is still open to the session's drop, after its state.)
     fn release(self) -> Session<DB> {
         self.session
+    }
+}
+
+/// A claim's statement, made in the open transaction: the inbox's claim, which waits for a
+/// concurrent claim of the same key, or the HTTP layer's, which does not.
+pub(crate) trait ClaimStatement<DB: Backend>: Sync {
+    /// What the claim found.
+    type Found;
+
+    /// Runs the statement on `conn`.
+    fn run<'c>(
+        &'c self,
+        conn: &'c mut DB::Connection,
+    ) -> impl Future<Output = Result<Self::Found, sqlx::Error>> + Send + 'c;
+}
+
+/// The inbox's claim: inserts the key unless it is there, waiting for a concurrent claim of it;
+/// finds whether it inserted it.
+struct InsertKey<'a> {
+    statements: &'a InboxStatements,
+    consumer: &'a str,
+    key: &'a [u8],
+    fingerprint: Option<&'a [u8]>,
+}
+
+impl<DB: Backend> ClaimStatement<DB> for InsertKey<'_> {
+    type Found = bool;
+
+    fn run<'c>(
+        &'c self,
+        conn: &'c mut DB::Connection,
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send + 'c {
+        DB::insert_key(
+            conn,
+            self.statements,
+            self.consumer,
+            self.key,
+            self.fingerprint,
+        )
     }
 }
 

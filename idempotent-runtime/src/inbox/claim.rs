@@ -4,10 +4,11 @@ use std::time::SystemTime;
 
 use super::{Claimed, Inbox, check_consumer};
 use crate::error::{InboxError, Stage};
-use crate::key::AsMessageKey;
-use crate::metrics::Outcome;
+use crate::key::{AsMessageKey, MessageKey};
+use crate::metrics::{Metrics, Outcome};
 use crate::retention;
-use crate::store::{Backend, StoredRow, database_error};
+use crate::session::Session;
+use crate::store::{Backend, Statements, StoredRow, database_error};
 use crate::transaction::{BeginError, ClaimOutcome, InboxTransaction};
 
 /// What a claim checks besides the key: see [`Inbox::claim_with`].
@@ -123,25 +124,52 @@ impl<DB: Backend> Inbox<DB> {
         if options.fingerprint.is_none() && !options.read_response {
             return Ok(Claim::Duplicate { response: None });
         }
-        let statements = &self.config.statements;
-        let StoredRow {
-            response,
-            fingerprint: stored_fingerprint,
-        } = DB::stored(session.get(), &statements.inbox, consumer, key.as_bytes())
-            .await
-            .map_err(database_error(Stage::Inspect))?
-            .unwrap_or_default();
-        if let (Some(ours), Some(theirs)) = (options.fingerprint, stored_fingerprint.as_deref())
-            && ours != theirs
-        {
-            self.metrics
-                .message(consumer, Outcome::FingerprintMismatch, 1);
-            tracing::warn!(consumer, key = %key.digest(), "same message key, different payload");
-            return Err(InboxError::FingerprintMismatch {
-                consumer: consumer.to_owned(),
-                key: key.into_owned(),
-            });
-        }
+        let response = read_duplicate(
+            &mut session,
+            &self.config.statements,
+            &self.metrics,
+            consumer,
+            &key,
+            options.fingerprint,
+        )
+        .await?
+        .flatten();
         Ok(Claim::Duplicate { response })
     }
+}
+
+/// Reads the committed row of `key` on `session`, and checks it against `fingerprint`, the one
+/// place a duplicate's fingerprint is compared: `None` when there is no row; else the response
+/// stored with it, if any. A row stored with another fingerprint is counted and logged, and is
+/// [`InboxError::FingerprintMismatch`].
+pub(super) async fn read_duplicate<DB: Backend>(
+    session: &mut Session<DB>,
+    statements: &Statements,
+    metrics: &Metrics,
+    consumer: &str,
+    key: &MessageKey,
+    fingerprint: Option<&[u8]>,
+) -> Result<Option<Option<Vec<u8>>>, InboxError> {
+    let row = session
+        .try_step(|conn| DB::stored(conn, &statements.inbox, consumer, key.as_bytes()))
+        .await
+        .map_err(database_error(Stage::Inspect))?;
+    let Some(StoredRow {
+        response,
+        fingerprint: stored,
+    }) = row
+    else {
+        return Ok(None);
+    };
+    if let (Some(ours), Some(theirs)) = (fingerprint, stored.as_deref())
+        && ours != theirs
+    {
+        metrics.message(consumer, Outcome::FingerprintMismatch, 1);
+        tracing::warn!(consumer, key = %key.digest(), "same message key, different payload");
+        return Err(InboxError::FingerprintMismatch {
+            consumer: consumer.to_owned(),
+            key: key.clone(),
+        });
+    }
+    Ok(Some(response))
 }

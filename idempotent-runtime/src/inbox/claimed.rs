@@ -60,6 +60,21 @@ impl<DB: Backend> Claimed<DB> {
         .map_err(database_error(Stage::StoreResponse))
     }
 
+    /// Whether the claimed key's row is gone from what this transaction sees: the handler rolled
+    /// the transaction back itself (a raw `ROLLBACK`). A read that fails says nothing (a statement
+    /// failed in the transaction, which is still the claim's): `false`.
+    #[cfg(feature = "http")]
+    pub(crate) async fn claim_gone(&mut self) -> bool {
+        let row = DB::stored(
+            self.tx.connection(),
+            &self.config.statements.inbox,
+            &self.consumer,
+            self.key.as_bytes(),
+        )
+        .await;
+        matches!(row, Ok(None))
+    }
+
     /// The transaction's connection, for the handler's own statements.
     pub fn connection(&mut self) -> &mut DB::Connection {
         self.tx.connection()

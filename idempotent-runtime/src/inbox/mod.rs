@@ -29,12 +29,16 @@ mod config;
 mod handled;
 pub(crate) mod outgoing;
 mod purge;
+#[cfg(feature = "http")]
+mod try_claim;
 
 pub use claim::{Claim, ClaimOptions};
 pub use claimed::Claimed;
 pub(crate) use commit::{commit, decode_response};
 pub(crate) use config::Config;
 pub use handled::Handled;
+#[cfg(feature = "http")]
+pub(crate) use try_claim::{KeyCommitted, TryClaimed};
 
 /// The longest consumer name accepted, in bytes.
 pub const MAX_CONSUMER_LEN: usize = 200;

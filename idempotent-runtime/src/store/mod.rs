@@ -42,7 +42,7 @@ pub(crate) use audit::{AuditQueries, AuditRow};
 pub(crate) use calls::{CallGate, CallId, CallQueries, CallRow, StuckRow};
 pub(crate) use dialect::{Dialect, OutboxDialect};
 pub(crate) use driver::{Ending, RolledBack, Store};
-pub(crate) use inbox::{InboxQueries, InspectRow, ListRow, StoredRow};
+pub(crate) use inbox::{InboxQueries, InboxStatements, InspectRow, ListRow, StoredRow};
 pub(crate) use outbox::{
     Failure, NewRow, OutboxQueries, OutboxStatements, PARKED, PENDING, SENT, ShownRow,
 };
