@@ -23,7 +23,7 @@ use serde::de::DeserializeOwned;
 
 use crate::clock::millis;
 use crate::error::{Error, InboxError, Stage};
-use crate::inbox::{Claimed, Inbox, check_consumer, check_name, decode_response};
+use crate::inbox::{Inbox, check_consumer, check_name, decode_response};
 use crate::key::{IdempotencyKey, MessageKey};
 use crate::metrics::CallOutcome;
 use crate::session::Session;
@@ -389,7 +389,7 @@ impl<DB: Backend> Inbox<DB> {
     #[cfg(feature = "http")]
     pub(crate) async fn release_call_in(
         &self,
-        claimed: &mut Claimed<DB>,
+        claimed: &mut crate::inbox::Claimed<DB>,
         lease: &CallLease,
     ) -> Result<bool, InboxError> {
         DB::call_release(

@@ -43,7 +43,8 @@ pub struct ListRow {
 /// The statements on the inbox table, built once from its validated name.
 #[derive(Debug, Clone)]
 pub struct InboxStatements {
-    /// The quoted table name.
+    /// The quoted table name (what [`table_sql`](Self::table_sql) fills in).
+    #[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
     table: String,
     /// Inserts a key unless it is there.
     pub(crate) claim: Arc<str>,

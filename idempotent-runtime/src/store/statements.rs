@@ -11,6 +11,8 @@ use super::stats::StatsStatements;
 use crate::table::TableName;
 
 /// The SQL an inbox runs, built once from its validated table name.
+// Public (and sealed) because the HTTP layer's backend trait takes it; unreachable without it.
+#[cfg_attr(not(feature = "http"), allow(unreachable_pub))]
 #[derive(Debug, Clone)]
 pub struct Statements {
     /// The inbox table's (`<table>`).
