@@ -68,9 +68,14 @@ impl<DB: Backend> ClaimedBatch<DB> {
         DB::run(self.tx.connection(), &rollback)
             .await
             .map_err(database_error(Stage::Claim))?;
-        DB::forget_claim(self.tx.connection(), statements, consumer, key.as_bytes())
-            .await
-            .map_err(database_error(Stage::Claim))?;
+        DB::forget_claim(
+            self.tx.connection(),
+            &statements.inbox,
+            consumer,
+            key.as_bytes(),
+        )
+        .await
+        .map_err(database_error(Stage::Claim))?;
         self.new[index] = false;
         self.metrics.message(&self.consumer, Outcome::RolledBack, 1);
         Ok(())
@@ -112,12 +117,16 @@ impl<DB: Backend> Inbox<DB> {
                         database_error(Stage::Begin)(error)
                     }
                 })?;
-        let inserted: HashSet<Vec<u8>> =
-            DB::claim_batch(tx.connection(), &self.config.statements, consumer, &sorted)
-                .await
-                .map_err(database_error(Stage::Claim))?
-                .into_iter()
-                .collect();
+        let inserted: HashSet<Vec<u8>> = DB::claim_batch(
+            tx.connection(),
+            &self.config.statements.inbox,
+            consumer,
+            &sorted,
+        )
+        .await
+        .map_err(database_error(Stage::Claim))?
+        .into_iter()
+        .collect();
         // A key repeated in the batch is new only the first time.
         let mut seen = HashSet::new();
         let new: Vec<bool> = keys

@@ -16,7 +16,6 @@
 //! database's, so instances with skewed clocks agree.
 
 use std::future::Future;
-use std::pin::Pin;
 use std::time::Duration;
 
 use serde::Serialize;
@@ -28,7 +27,8 @@ use crate::inbox::{Inbox, check_consumer, check_name, decode_response};
 use crate::key::{IdempotencyKey, MessageKey};
 use crate::metrics::CallOutcome;
 use crate::session::Session;
-use crate::store::{Backend, CallId, CallRow, begin_alone, database_error, end_alone};
+use crate::store::CallGate;
+use crate::store::{Backend, CallId, CallRow, database_error, in_own_transaction};
 use sqlx_core::transaction::TransactionManager;
 
 /// The longest lease a call may ask for: a lease is how long other attempts wait for this one
@@ -42,10 +42,10 @@ async fn read_call<DB: Backend>(
     statements: &crate::store::Statements,
     id: CallId<'_>,
 ) -> Result<Option<CallRow>, InboxError> {
-    let row = DB::call_read(session.start_step(), statements, id)
+    let row = session
+        .try_step(|conn| DB::call_read(conn, &statements.calls, id))
         .await
         .map_err(database_error(Stage::Call))?;
-    session.end_step();
     Ok(row)
 }
 
@@ -87,17 +87,6 @@ pub enum CallStart<R> {
     /// The call was completed before; here is its result. Do not call again.
     Completed(R),
 }
-
-/// A lock that [`Inbox::begin_call_gated`] takes first, in the transaction that records the call:
-/// `Ok(false)` when another transaction holds it.
-pub(crate) type CallGate<'g, DB> = Box<
-    dyn for<'c> FnOnce(
-            &'c mut <DB as sqlx::Database>::Connection,
-        )
-            -> Pin<Box<dyn Future<Output = Result<bool, sqlx::Error>> + Send + 'c>>
-        + Send
-        + 'g,
->;
 
 /// Whether a gated step passed its gate.
 pub(crate) enum Gated<T> {
@@ -159,28 +148,32 @@ impl<DB: Backend> Inbox<DB> {
         check_consumer(consumer)?;
         check_call(name, lease)?;
         let mut session = self.call_session().await?;
-        let conn = session.start_step();
         let Some(gate) = gate else {
-            let start = self.record_call(conn, consumer, key, name, lease).await?;
-            session.end_step();
+            let start = session
+                .try_step(|conn| self.record_call(conn, consumer, key, name, lease))
+                .await?;
             return Ok(Gated::Passed(start));
         };
         let failed = database_error(Stage::Call);
-        <DB as sqlx::Database>::TransactionManager::begin(conn, None)
-            .await
-            .map_err(database_error(Stage::Call))?;
-        let outcome = match gate(conn).await {
-            Ok(true) => Some(self.record_call(conn, consumer, key, name, lease).await),
-            Ok(false) => None,
-            Err(error) => Some(Err(failed(error))),
-        };
-        let ended = match &outcome {
-            Some(Ok(_)) => <DB as sqlx::Database>::TransactionManager::commit(conn).await,
-            _ => <DB as sqlx::Database>::TransactionManager::rollback(conn).await,
-        };
         // On an error the step stays in doubt, and the connection is closed with the session.
-        ended.map_err(database_error(Stage::Call))?;
-        session.end_step();
+        let outcome = session
+            .try_step(|conn| async move {
+                <DB as sqlx::Database>::TransactionManager::begin(conn, None)
+                    .await
+                    .map_err(database_error(Stage::Call))?;
+                let outcome = match gate(conn).await {
+                    Ok(true) => Some(self.record_call(conn, consumer, key, name, lease).await),
+                    Ok(false) => None,
+                    Err(error) => Some(Err(failed(error))),
+                };
+                let ended = match &outcome {
+                    Some(Ok(_)) => <DB as sqlx::Database>::TransactionManager::commit(conn).await,
+                    _ => <DB as sqlx::Database>::TransactionManager::rollback(conn).await,
+                };
+                ended.map_err(database_error(Stage::Call))?;
+                Ok::<_, InboxError>(outcome)
+            })
+            .await?;
         Ok(match outcome {
             None => Gated::Shut,
             Some(outcome) => Gated::Passed(outcome?),
@@ -211,17 +204,24 @@ impl<DB: Backend> Inbox<DB> {
                 fence,
             })
         };
-        let inserted = DB::call_insert(&mut *conn, statements, id, lease_ms)
+        let inserted = DB::call_insert(&mut *conn, &statements.calls, id, lease_ms)
             .await
             .map_err(database_error(Stage::Call))?;
         if inserted {
             tracing::debug!(consumer, call = name, key = %key.digest(), "call pending");
             return Ok(run(1));
         }
-        let row = DB::call_read(&mut *conn, statements, id)
+        let row = DB::call_read(&mut *conn, &statements.calls, id)
             .await
             .map_err(database_error(Stage::Call))?;
-        let Some((fence, lease_until, completed, result, now)) = row else {
+        let Some(CallRow {
+            fence,
+            lease_until,
+            completed,
+            result,
+            now_ms: now,
+        }) = row
+        else {
             // Deleted between the two statements: as good as in progress; try again.
             return Err(InboxError::CallInProgress {
                 retry_after: Duration::ZERO,
@@ -242,7 +242,7 @@ impl<DB: Backend> Inbox<DB> {
             );
             return Err(InboxError::CallInProgress { retry_after });
         }
-        let taken = DB::call_take_over(&mut *conn, statements, id, fence, lease_ms)
+        let taken = DB::call_take_over(&mut *conn, &statements.calls, id, fence, lease_ms)
             .await
             .map_err(database_error(Stage::Call))?;
         if taken {
@@ -276,8 +276,13 @@ impl<DB: Backend> Inbox<DB> {
         };
         let row = read_call(&mut session, &self.config.statements, id).await?;
         Ok(match row {
-            Some((_, lease_until, false, _, now)) if lease_until > now => {
-                Some(Duration::from_millis((lease_until - now) as u64))
+            Some(CallRow {
+                lease_until,
+                completed: false,
+                now_ms,
+                ..
+            }) if lease_until > now_ms => {
+                Some(Duration::from_millis((lease_until - now_ms) as u64))
             }
             _ => None,
         })
@@ -292,16 +297,18 @@ impl<DB: Backend> Inbox<DB> {
         lease: Duration,
     ) -> Result<bool, InboxError> {
         let mut session = self.call_session().await?;
-        let extended = DB::call_extend(
-            session.start_step(),
-            &self.config.statements,
-            held.id(),
-            held.fence,
-            millis(lease),
-        )
-        .await
-        .map_err(database_error(Stage::Call))?;
-        session.end_step();
+        let extended = session
+            .try_step(|conn| {
+                DB::call_extend(
+                    conn,
+                    &self.config.statements.calls,
+                    held.id(),
+                    held.fence,
+                    millis(lease),
+                )
+            })
+            .await
+            .map_err(database_error(Stage::Call))?;
         Ok(extended)
     }
 
@@ -319,16 +326,12 @@ impl<DB: Backend> Inbox<DB> {
         })?;
         let statements = &self.config.statements;
         let mut session = self.call_session().await?;
-        let completed = DB::call_complete(
-            session.start_step(),
-            statements,
-            lease.id(),
-            lease.fence,
-            &bytes,
-        )
-        .await
-        .map_err(database_error(Stage::Call))?;
-        session.end_step();
+        let completed = session
+            .try_step(|conn| {
+                DB::call_complete(conn, &statements.calls, lease.id(), lease.fence, &bytes)
+            })
+            .await
+            .map_err(database_error(Stage::Call))?;
         if completed {
             tracing::debug!(
                 consumer = lease.consumer,
@@ -337,8 +340,12 @@ impl<DB: Backend> Inbox<DB> {
             );
             return Ok(());
         }
-        if let Some((fence, _, true, stored, _)) =
-            read_call(&mut session, statements, lease.id()).await?
+        if let Some(CallRow {
+            fence,
+            completed: true,
+            result: stored,
+            ..
+        }) = read_call(&mut session, statements, lease.id()).await?
             && fence == lease.fence
         {
             if stored.as_deref() == Some(&bytes[..]) {
@@ -356,6 +363,45 @@ impl<DB: Backend> Inbox<DB> {
         Err(InboxError::Fenced { fence: lease.fence })
     }
 
+    /// [`begin_call`](Self::begin_call), gated by the HTTP layer's claim of the key: on PostgreSQL
+    /// the call is recorded under the key's advisory lock, which a transactional route's claim of
+    /// the key holds until it ends, so that neither runs while the other is in flight
+    /// ([`Gated::Shut`] when the claim holds it).
+    #[cfg(feature = "http")]
+    pub(crate) async fn begin_call_gated_by_claims<R: DeserializeOwned>(
+        &self,
+        consumer: &str,
+        key: &MessageKey,
+        name: &str,
+        lease: Duration,
+    ) -> Result<Gated<CallStart<R>>, InboxError>
+    where
+        DB: crate::store::try_claim::HttpBackend,
+    {
+        let gate = DB::call_gate(&self.config.statements, consumer, key.as_bytes());
+        self.begin_call_gated(consumer, key, name, lease, gate)
+            .await
+    }
+
+    /// Deletes `lease`'s pending call in `claimed`'s transaction, if its fence is still the
+    /// lease's: `true` when it did (the HTTP layer stores a leased route's response and ends its
+    /// call in one transaction).
+    #[cfg(feature = "http")]
+    pub(crate) async fn release_call_in(
+        &self,
+        claimed: &mut crate::inbox::Claimed<DB>,
+        lease: &CallLease,
+    ) -> Result<bool, InboxError> {
+        DB::call_release(
+            claimed.connection(),
+            &self.config.statements.calls,
+            lease.id(),
+            lease.fence,
+        )
+        .await
+        .map_err(database_error(Stage::Call))
+    }
+
     /// Gives up a pending call whose outcome this attempt does not want recorded (it failed before
     /// it called out, or its result is not worth keeping): deletes the record if `lease` still
     /// holds it, so that the next attempt runs at once instead of waiting for the lease to run
@@ -367,16 +413,19 @@ impl<DB: Backend> Inbox<DB> {
     pub async fn release_call(&self, lease: CallLease) -> Result<bool, InboxError> {
         let mut session = self.call_session().await?;
         let statements = &self.config.statements;
-        let conn = session.start_step();
-        // `call_release` also runs in a handler's transaction (the HTTP layer's): alone only here.
-        begin_alone::<DB>(conn, statements.pooled)
+        let id = lease.id();
+        // `call_release` also runs in a handler's transaction (the HTTP layer's): in a transaction
+        // of its own only here.
+        let released = session
+            .try_step(|conn| async move {
+                in_own_transaction!(
+                    conn,
+                    &statements.calls,
+                    DB::call_release(&mut *conn, &statements.calls, id, lease.fence)
+                )
+            })
             .await
             .map_err(database_error(Stage::Call))?;
-        let released = DB::call_release(conn, statements, lease.id(), lease.fence).await;
-        let released = end_alone::<DB, _>(conn, statements.pooled, released)
-            .await
-            .map_err(database_error(Stage::Call))?;
-        session.end_step();
         tracing::debug!(
             consumer = lease.consumer,
             call = lease.name,

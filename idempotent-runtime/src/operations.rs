@@ -18,7 +18,9 @@ use crate::error::{InboxError, Stage};
 use crate::inbox::{Inbox, check_consumer, commit};
 use crate::key::{AsMessageKey, MessageKey};
 use crate::session::Session;
-use crate::store::{Backend, begin_alone, database_error, end_alone};
+use crate::store::{
+    AuditRow, Backend, InspectRow, ListRow, StuckRow, database_error, in_own_transaction,
+};
 use crate::transaction::{BeginError, InboxTransaction};
 
 /// The longest reason [`Inbox::forget`] accepts, in bytes.
@@ -233,21 +235,23 @@ impl<DB: Backend> Inbox<DB> {
         let key = key.as_message_key()?;
         let mut session = self.read_session().await?;
         let statements = &self.config.statements;
-        let conn = session.start_step();
-        // `inspect` also runs in `forget`'s transaction: alone only here.
-        begin_alone::<DB>(conn, statements.pooled)
+        let key_bytes = key.as_bytes();
+        // `inspect` also runs in `forget`'s transaction: in a transaction of its own only here.
+        let row = session
+            .try_step(|conn| async move {
+                in_own_transaction!(
+                    conn,
+                    &statements.inbox,
+                    DB::inspect(&mut *conn, &statements.inbox, consumer, key_bytes)
+                )
+            })
             .await
             .map_err(database_error(Stage::Inspect))?;
-        let row = DB::inspect(conn, statements, consumer, key.as_bytes()).await;
-        let row = end_alone::<DB, _>(conn, statements.pooled, row)
-            .await
-            .map_err(database_error(Stage::Inspect))?;
-        session.end_step();
-        Ok(row.map(|(processed_ms, response, fingerprint)| Record {
+        Ok(row.map(|row| Record {
             key: key.into_owned(),
-            processed_at: from_ms(processed_ms),
-            fingerprint,
-            response_len: response.map(|response| response.len() as u64),
+            processed_at: from_ms(row.processed_ms),
+            fingerprint: row.fingerprint,
+            response_len: row.response.map(|response| response.len() as u64),
         }))
     }
 
@@ -264,22 +268,30 @@ impl<DB: Backend> Inbox<DB> {
         };
         let limit = i64::try_from(listing.limit).unwrap_or(i64::MAX);
         let mut session = self.read_session().await?;
-        let rows = DB::list(
-            session.start_step(),
-            &self.config.statements,
-            consumer,
-            range,
-            (at, key),
-            limit,
-        )
-        .await
-        .map_err(database_error(Stage::Inspect))?;
-        session.end_step();
+        let rows = session
+            .try_step(|conn| {
+                DB::list(
+                    conn,
+                    &self.config.statements.inbox,
+                    consumer,
+                    range,
+                    (at, key),
+                    limit,
+                )
+            })
+            .await
+            .map_err(database_error(Stage::Inspect))?;
         let full = rows.len() == listing.limit;
         let mut records = Vec::with_capacity(rows.len());
         let mut next = None;
-        for (key, processed_ms, fingerprint, response_len) in rows {
-            let key = MessageKey::from_stored(key).map_err(InboxError::Key)?;
+        for ListRow {
+            message_key,
+            processed_ms,
+            fingerprint,
+            response_len,
+        } in rows
+        {
+            let key = MessageKey::from_stored(message_key).map_err(InboxError::Key)?;
             next = full.then(|| Cursor {
                 processed_ms,
                 key: key.clone(),
@@ -306,20 +318,23 @@ impl<DB: Backend> Inbox<DB> {
         }
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
         let mut session = self.read_session().await?;
-        let rows = DB::stuck_calls(
-            session.start_step(),
-            &self.config.statements,
-            consumer,
-            limit,
-        )
-        .await
-        .map_err(database_error(Stage::Inspect))?;
-        session.end_step();
+        let rows = session
+            .try_step(|conn| DB::stuck_calls(conn, &self.config.statements.calls, consumer, limit))
+            .await
+            .map_err(database_error(Stage::Inspect))?;
         rows.into_iter()
-            .map(|(consumer, key, name, fence, lease_until, now)| {
+            .map(|row| {
+                let StuckRow {
+                    consumer,
+                    message_key,
+                    call_name: name,
+                    fence,
+                    lease_until,
+                    now_ms: now,
+                } = row;
                 Ok(StuckCall {
                     consumer,
-                    key: MessageKey::from_stored(key)?,
+                    key: MessageKey::from_stored(message_key)?,
                     name,
                     fence,
                     lease_expired_at: from_ms(lease_until),
@@ -364,14 +379,14 @@ impl<DB: Backend> Inbox<DB> {
                     BeginError::Acquire(error) | BeginError::Begin(error) => failed()(error),
                 })?;
         let statements = &self.config.statements;
-        let row = DB::inspect(tx.connection(), statements, consumer, key.as_bytes())
+        let row = DB::inspect(tx.connection(), &statements.inbox, consumer, key.as_bytes())
             .await
             .map_err(failed())?;
-        let Some((processed_ms, _, _)) = row else {
+        let Some(InspectRow { processed_ms, .. }) = row else {
             let _ = tx.rollback().await;
             return Ok(false);
         };
-        let deleted = DB::forget(tx.connection(), statements, consumer, key.as_bytes())
+        let deleted = DB::forget(tx.connection(), &statements.inbox, consumer, key.as_bytes())
             .await
             .map_err(failed())?;
         if !deleted {
@@ -381,7 +396,7 @@ impl<DB: Backend> Inbox<DB> {
         let digest = key.full_digest();
         DB::audit_insert(
             tx.connection(),
-            statements,
+            &statements.audit,
             consumer,
             &digest,
             reason,
@@ -407,19 +422,20 @@ impl<DB: Backend> Inbox<DB> {
         }
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
         let mut session = self.read_session().await?;
-        let rows = DB::audit_read(
-            session.start_step(),
-            &self.config.statements,
-            consumer,
-            limit,
-        )
-        .await
-        .map_err(database_error(Stage::Inspect))?;
-        session.end_step();
+        let rows = session
+            .try_step(|conn| DB::audit_read(conn, &self.config.statements.audit, consumer, limit))
+            .await
+            .map_err(database_error(Stage::Inspect))?;
         Ok(rows
             .into_iter()
             .map(
-                |(consumer, key_digest, reason, processed, forgotten)| AuditEntry {
+                |AuditRow {
+                     consumer,
+                     key_digest,
+                     reason,
+                     processed_ms: processed,
+                     forgotten_ms: forgotten,
+                 }| AuditEntry {
                     consumer,
                     key_digest,
                     reason,
@@ -434,10 +450,10 @@ impl<DB: Backend> Inbox<DB> {
     /// purge horizon, pending and stuck calls.
     pub async fn stats(&self) -> Result<Vec<ConsumerStats>, InboxError> {
         let mut session = self.read_session().await?;
-        let (rows, calls, horizons) = DB::stats(session.start_step(), &self.config.statements)
+        let (rows, calls, horizons) = session
+            .try_step(|conn| DB::stats(conn, &self.config.statements.stats))
             .await
             .map_err(database_error(Stage::Inspect))?;
-        session.end_step();
         let mut stats = BTreeMap::<String, ConsumerStats>::new();
         for (consumer, count, oldest) in rows {
             let stats = entry(&mut stats, consumer);

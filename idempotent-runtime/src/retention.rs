@@ -216,14 +216,16 @@ fn passes(statements: &Statements, retention: &Retention) -> Vec<Pass> {
         .per_consumer
         .iter()
         .map(|(consumer, retention)| Pass {
-            statements: statements.purge(PurgeScope::Consumer),
+            statements: statements.horizons.purge(PurgeScope::Consumer),
             retention_ms: millis(*retention),
             consumers: vec![consumer.clone()],
         })
         .collect();
     let overridden: Vec<String> = retention.per_consumer.keys().cloned().collect();
     passes.push(Pass {
-        statements: statements.purge(PurgeScope::AllBut(overridden.len())),
+        statements: statements
+            .horizons
+            .purge(PurgeScope::AllBut(overridden.len())),
         retention_ms: millis(retention.default),
         consumers: overridden,
     });
@@ -284,10 +286,10 @@ async fn purge_locked<DB: Backend>(
     let failed = || database_error(Stage::Purge);
     let mut session = Session::take(source).await.map_err(failed())?;
     // One clock for the whole purge: the horizon it records covers every row it deletes.
-    let now = DB::now_ms(session.start_step(), scope.statements)
+    let now = session
+        .try_step(|conn| DB::now_ms(conn, &scope.statements.horizons))
         .await
         .map_err(failed())?;
-    session.end_step();
     let mut report = PurgeReport::default();
     for pass in passes(scope.statements, scope.retention) {
         let cutoff = cutoff(now, pass.retention_ms);
@@ -296,21 +298,25 @@ async fn purge_locked<DB: Backend>(
         // The horizon first: a row is never gone without a horizon that covers it. Which
         // consumers have expired rows is a read (no lock a claim would wait for); each horizon
         // is then one short write.
-        let expiring = DB::purge_consumers(
-            session.start_step(),
-            scope.statements,
-            &sql.expiring,
-            cutoff,
-            consumers,
-        )
-        .await
-        .map_err(failed())?;
-        session.end_step();
+        let expiring = session
+            .try_step(|conn| {
+                DB::purge_consumers(
+                    conn,
+                    &scope.statements.horizons,
+                    &sql.expiring,
+                    cutoff,
+                    consumers,
+                )
+            })
+            .await
+            .map_err(failed())?;
         for consumer in &expiring {
-            DB::record_horizon(session.start_step(), scope.statements, consumer, cutoff)
+            session
+                .try_step(|conn| {
+                    DB::record_horizon(conn, &scope.statements.horizons, consumer, cutoff)
+                })
                 .await
                 .map_err(failed())?;
-            session.end_step();
         }
         let batches = Batches {
             cutoff,
@@ -368,18 +374,19 @@ impl Batches<'_> {
         report: &mut PurgeReport,
     ) -> Result<(), InboxError> {
         loop {
-            let conn = session.start_step();
-            let deleted = DB::purge_step(
-                conn,
-                scope.statements,
-                statement,
-                self.cutoff,
-                self.consumers,
-                self.size,
-            )
-            .await
-            .map_err(database_error(Stage::Purge))?;
-            session.end_step();
+            let deleted = session
+                .try_step(|conn| {
+                    DB::purge_step(
+                        conn,
+                        &scope.statements.horizons,
+                        statement,
+                        self.cutoff,
+                        self.consumers,
+                        self.size,
+                    )
+                })
+                .await
+                .map_err(database_error(Stage::Purge))?;
             match kind {
                 Purged::Inbox => report.deleted += deleted,
                 Purged::Calls => report.calls_deleted += deleted,
@@ -407,24 +414,20 @@ pub(crate) async fn preview<DB: Backend>(
 ) -> Result<Vec<Expired>, InboxError> {
     let failed = || database_error(Stage::Purge);
     let mut session = Session::take(source).await.map_err(failed())?;
-    let now = DB::now_ms(session.start_step(), statements)
+    let now = session
+        .try_step(|conn| DB::now_ms(conn, &statements.horizons))
         .await
         .map_err(failed())?;
-    session.end_step();
     let mut expired: BTreeMap<String, Expired> = BTreeMap::new();
     for pass in passes(statements, retention) {
         let cutoff = cutoff(now, pass.retention_ms);
         for (i, count) in pass.statements.count.iter().enumerate() {
-            let counts = DB::purge_count(
-                session.start_step(),
-                statements,
-                count,
-                cutoff,
-                &pass.consumers,
-            )
-            .await
-            .map_err(failed())?;
-            session.end_step();
+            let counts = session
+                .try_step(|conn| {
+                    DB::purge_count(conn, &statements.horizons, count, cutoff, &pass.consumers)
+                })
+                .await
+                .map_err(failed())?;
             for (consumer, n) in counts {
                 let entry = expired.entry(consumer.clone()).or_insert_with(|| Expired {
                     consumer,
@@ -452,7 +455,7 @@ pub(crate) async fn check_horizon<DB: Backend>(
     sent_at: SystemTime,
     margin: Duration,
 ) -> Result<(), InboxError> {
-    let horizon = DB::horizon(conn, statements, consumer)
+    let horizon = DB::horizon(conn, &statements.horizons, consumer)
         .await
         .map_err(database_error(Stage::Claim))?;
     match horizon {

@@ -71,7 +71,7 @@ fn steps<DB: Backend>(table: &TableName, statements: &Statements, from: u32) -> 
     for to in from.max(1) + 1..=CURRENT_VERSION {
         steps.extend(DB::upgrade_ddl(table, to));
     }
-    steps.push(statements.record_version(CURRENT_VERSION));
+    steps.push(statements.audit.record_version(CURRENT_VERSION));
     steps
 }
 
@@ -86,15 +86,18 @@ pub(crate) async fn migrate<DB: Backend>(
     let failed = database_error(Stage::Migrate);
     let mut session = Session::take(source).await.map_err(failed)?;
     // One step from the lock to its release: a migration dropped in between closes the session.
-    let conn = session.start_step();
-    DB::lock_migration(conn, table)
-        .await
-        .map_err(database_error(Stage::Migrate))?;
-    let migrated = upgrade::<DB>(conn, statements, table).await;
-    DB::unlock_migration(conn, table, migrated.is_ok())
-        .await
-        .map_err(database_error(Stage::Migrate))?;
-    session.end_step();
+    let migrated = session
+        .try_step(|conn| async move {
+            DB::lock_migration(conn, table)
+                .await
+                .map_err(database_error(Stage::Migrate))?;
+            let migrated = upgrade::<DB>(conn, statements, table).await;
+            DB::unlock_migration(conn, table, migrated.is_ok())
+                .await
+                .map_err(database_error(Stage::Migrate))?;
+            Ok::<_, InboxError>(migrated)
+        })
+        .await?;
     if let Ok(Migration { from, to }) = migrated
         && from != to
     {
@@ -139,7 +142,7 @@ async fn version<DB: Backend>(
 ) -> Result<u32, sqlx::Error> {
     let schema = format!("{table}_schema");
     if DB::table_exists(conn, &schema).await?
-        && let Some(version) = DB::schema_version(conn, statements).await?
+        && let Some(version) = DB::schema_version(conn, &statements.audit).await?
     {
         return Ok(u32::try_from(version).unwrap_or(u32::MAX));
     }

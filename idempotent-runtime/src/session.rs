@@ -13,6 +13,7 @@
 //! out of step (sqlx's MySQL driver then hangs on its next use). It is closed, which ends whatever
 //! the server had open, unless the backend's driver recovers such connections itself (SQLite).
 
+use std::future::Future;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use sqlx::pool::PoolConnection;
@@ -139,15 +140,47 @@ impl<DB: Backend> Session<DB> {
             .expect("a session has its connection until dropped")
     }
 
-    /// Marks the start of a step whose effect on the server is unknown until it completes.
-    pub(crate) fn start_step(&mut self) -> &mut DB::Connection {
-        self.in_doubt = true;
-        self.get()
+    /// Runs `step` on the connection, which is in doubt until the step returns `Ok`: a step that
+    /// failed, or was dropped half-way, leaves the connection to be closed with the session.
+    pub(crate) async fn try_step<'s, T, E, F>(
+        &'s mut self,
+        step: impl FnOnce(&'s mut DB::Connection) -> F,
+    ) -> Result<T, E>
+    where
+        F: Future<Output = Result<T, E>>,
+    {
+        let (conn, in_doubt) = self.parts();
+        *in_doubt = true;
+        let done = step(conn).await;
+        if done.is_ok() {
+            *in_doubt = false;
+        }
+        done
     }
 
-    /// Marks the end of the step started last: the connection's state is known again.
-    pub(crate) fn end_step(&mut self) {
-        self.in_doubt = false;
+    /// Runs `step` on the connection, which is in doubt until the step returns, whatever it
+    /// returns: a step dropped half-way leaves the connection to be closed with the session.
+    pub(crate) async fn step<'s, T, F>(
+        &'s mut self,
+        step: impl FnOnce(&'s mut DB::Connection) -> F,
+    ) -> T
+    where
+        F: Future<Output = T>,
+    {
+        let (conn, in_doubt) = self.parts();
+        *in_doubt = true;
+        let done = step(conn).await;
+        *in_doubt = false;
+        done
+    }
+
+    /// The connection and the mark of a step in doubt, borrowed apart.
+    fn parts(&mut self) -> (&mut DB::Connection, &mut bool) {
+        let conn = self
+            .conn
+            .as_mut()
+            .expect("a session has its connection until dropped");
+        (conn, &mut self.in_doubt)
     }
 
     /// Marks the connection to be closed when the session is dropped: its state is unknown.

@@ -18,6 +18,7 @@
 //!   outcome is unknown (a failed commit, a failed rollback) closes it everywhere. See
 //!   [`session`](crate::session).
 
+use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -27,7 +28,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::error::Fault;
 use crate::session::{Session, Source};
-use crate::store::{Backend, Ending, RolledBack, Statements, fault_of};
+use crate::store::{Backend, Ending, InboxStatements, RolledBack, Statements, fault_of};
 
 /// How long a transaction waits in the writers' queue before it goes on to the database's lock.
 const WRITERS_QUEUE_PATIENCE: Duration = Duration::from_secs(5);
@@ -44,7 +45,7 @@ pub(crate) struct Resources<'a, DB: Backend> {
 /// [`commit`](Self::commit) or [`rollback`](Self::rollback), it rolls back.
 pub(crate) struct InboxTransaction<DB: Backend> {
     session: Session<DB>,
-    watch: DB::Watch,
+    state: DB::TransactionState,
     /// This transaction's turn in the writers' queue, released when it ends.
     _turn: Option<OwnedSemaphorePermit>,
 }
@@ -107,7 +108,8 @@ impl<DB: Backend> InboxTransaction<DB> {
     ) -> Result<ClaimOutcome<DB>, BeginError> {
         let turn = take_turn(with.writers).await;
         let mut tx = Self::begin_on(session, turn).await?;
-        let pipelined = DB::pipelined_claim(settings, statements, consumer, key, fingerprint);
+        let pipelined =
+            DB::pipelined_claim(settings, &statements.inbox, consumer, key, fingerprint);
         let claimed = match pipelined {
             Some(message) => tx.pipelined_claim(&message, statements, settings).await,
             None => Err(Pipeline::NotSent),
@@ -171,13 +173,13 @@ impl<DB: Backend> InboxTransaction<DB> {
         mut session: Session<DB>,
         turn: Option<OwnedSemaphorePermit>,
     ) -> Result<Self, BeginError> {
-        let watch = DB::watch(session.start_step())
+        let state = session
+            .try_step(DB::ready_transaction)
             .await
             .map_err(BeginError::Begin)?;
-        session.end_step();
         Ok(Self {
             session,
-            watch,
+            state,
             _turn: turn,
         })
     }
@@ -189,11 +191,10 @@ impl<DB: Backend> InboxTransaction<DB> {
 
     /// Begins the transaction with `statement`, through sqlx's transaction manager.
     async fn begin_with(&mut self, statement: String) -> Result<(), sqlx::Error> {
-        let conn = self.session.start_step();
         let statement = AssertSqlSafe(statement).into_sql_str();
-        <DB as Database>::TransactionManager::begin(conn, Some(statement)).await?;
-        self.session.end_step();
-        Ok(())
+        self.session
+            .try_step(|conn| <DB as Database>::TransactionManager::begin(conn, Some(statement)))
+            .await
     }
 
     /// The claim in one message with its `BEGIN`: `true` when it inserted the key, `false` when
@@ -209,16 +210,22 @@ impl<DB: Backend> InboxTransaction<DB> {
             outcome => return outcome,
         }
         // This session has not prepared the claim: a new connection, or a `DEALLOCATE`.
-        let conn = self.session.start_step();
-        match DB::prepare_pipelined_claim(conn, settings, statements).await {
-            Ok(()) => self.session.end_step(),
-            // The session that prepares it has it already, though the one that claimed had not:
-            // a pooler in transaction mode runs each transaction on another session.
-            Err(error) if DB::statement_exists(&error) => {
-                self.session.end_step();
-                return Err(Pipeline::NotSent);
-            }
-            Err(error) => return Err(Pipeline::Failed(error)),
+        let prepared = self
+            .session
+            .try_step(|conn| async {
+                match DB::prepare_pipelined_claim(conn, settings, &statements.inbox).await {
+                    Ok(()) => Ok(true),
+                    // The session that prepares it has it already, though the one that claimed
+                    // had not: a pooler in transaction mode runs each transaction on another
+                    // session.
+                    Err(error) if DB::statement_exists(&error) => Ok(false),
+                    Err(error) => Err(error),
+                }
+            })
+            .await
+            .map_err(Pipeline::Failed)?;
+        if !prepared {
+            return Err(Pipeline::NotSent);
         }
         match self.begin_pipelined(message).await {
             // Still missing: a pooler in transaction mode moved us to another session.
@@ -233,12 +240,10 @@ impl<DB: Backend> InboxTransaction<DB> {
         };
         // The claim failed in the transaction its message began, which is now aborted (or the
         // `BEGIN` failed and there is none); sqlx counts none. End it before anything else.
-        let ended = DB::run(self.session.get(), "ROLLBACK").await;
-        if let Err(rollback) = ended {
-            self.session.discard();
-            return Err(Pipeline::Failed(rollback));
-        }
-        self.session.end_step();
+        self.session
+            .try_step(|conn| DB::run(conn, "ROLLBACK"))
+            .await
+            .map_err(Pipeline::Failed)?;
         // A unique violation says another transaction committed the key, whatever became of ours.
         match error.as_database_error() {
             Some(database) if database.is_unique_violation() => Ok(false),
@@ -255,24 +260,45 @@ impl<DB: Backend> InboxTransaction<DB> {
         key: &[u8],
         fingerprint: Option<&[u8]>,
     ) -> Result<bool, sqlx::Error> {
-        for attempt in 0..2 {
-            self.open().await?;
-            let conn = self.session.start_step();
-            match DB::insert_key(conn, statements, consumer, key, fingerprint).await {
-                Err(error) if attempt == 0 && DB::lost_statement(&error) => {
-                    // The session lost the statement sqlx had prepared for the claim (a
-                    // `DEALLOCATE ALL`): end the transaction, forget the statements, try again.
-                    self.end_in_rollback().await?;
-                    DB::forget_statements(self.session.start_step()).await?;
-                    self.session.end_step();
-                }
-                outcome => {
-                    self.session.end_step();
-                    return outcome;
-                }
+        self.open().await?;
+        let insert = InsertKey {
+            statements: &statements.inbox,
+            consumer,
+            key,
+            fingerprint,
+        };
+        self.claim_in(&insert).await
+    }
+
+    /// Takes a connection, begins a transaction that will write, and makes `claim` in it: the
+    /// open transaction, with what the claim found (after an `Err`, roll the transaction back).
+    #[cfg(feature = "http")]
+    pub(crate) async fn begin_claiming<C: ClaimStatement<DB>>(
+        with: Resources<'_, DB>,
+        claim: &C,
+    ) -> Result<(Self, Result<C::Found, sqlx::Error>), BeginError> {
+        let mut tx = Self::begin(with).await?;
+        let found = tx.claim_in(claim).await;
+        Ok((tx, found))
+    }
+
+    /// Makes `claim` in the open transaction. The one rule for a claim whose session lost the
+    /// statement sqlx had prepared for it (a body's `DEALLOCATE ALL`): the transaction is rolled
+    /// back, the driver's statements are forgotten, and the claim is made once more, in a new
+    /// transaction on the same connection.
+    async fn claim_in<C: ClaimStatement<DB>>(
+        &mut self,
+        claim: &C,
+    ) -> Result<C::Found, sqlx::Error> {
+        match self.session.step(|conn| claim.run(conn)).await {
+            Err(error) if DB::lost_statement(&error) => {
+                self.end_in_rollback().await?;
+                self.session.try_step(DB::forget_statements).await?;
+                self.open().await?;
+                self.session.step(|conn| claim.run(conn)).await
             }
+            found => found,
         }
-        unreachable!("the second attempt returns")
     }
 
     /// The transaction's connection.
@@ -284,18 +310,12 @@ impl<DB: Backend> InboxTransaction<DB> {
     /// otherwise rolls back what is open and says why. On `Err` the outcome is unknown and the
     /// connection is closed.
     pub(crate) async fn commit(mut self) -> Committed<DB> {
-        let conn = self.session.start_step();
-        let ending = DB::commit(conn, &self.watch).await;
-        match ending {
-            Ok(ending) => {
-                self.session.end_step();
-                Ok((ending, self.release()))
-            }
-            Err(error) => {
-                self.session.discard();
-                Err(error)
-            }
-        }
+        let state = &self.state;
+        let ending = self
+            .session
+            .try_step(|conn| DB::commit(conn, state))
+            .await?;
+        Ok((ending, self.release()))
     }
 
     /// Rolls back. When that fails, the connection is closed, and the server rolls back as the
@@ -310,18 +330,15 @@ impl<DB: Backend> InboxTransaction<DB> {
     pub(crate) async fn rollback_checked(
         mut self,
     ) -> Result<(RolledBack, Session<DB>), sqlx::Error> {
-        let conn = self.session.start_step();
-        match DB::rollback_checked(conn, &self.watch).await {
-            Ok(rolled_back) => {
-                self.session.end_step();
-                Ok((rolled_back, self.release()))
-            }
-            Err(error) => {
-                tracing::warn!(%error, "rollback failed; the connection is closed");
-                self.session.discard();
-                Err(error)
-            }
-        }
+        let state = &self.state;
+        let rolled_back = self
+            .session
+            .try_step(|conn| DB::rollback_checked(conn, state))
+            .await
+            .inspect_err(
+                |error| tracing::warn!(%error, "rollback failed; the connection is closed"),
+            )?;
+        Ok((rolled_back, self.release()))
     }
 
     /// Rolls back, and closes the connection whatever happens: a handler's error said the
@@ -329,24 +346,62 @@ impl<DB: Backend> InboxTransaction<DB> {
     pub(crate) async fn rollback_and_close(mut self) {
         self.session.discard();
         let conn = self.session.get();
-        let _ = DB::rollback(conn, &self.watch).await;
+        let _ = DB::rollback(conn, &self.state).await;
     }
 
     async fn end_in_rollback(&mut self) -> Result<(), sqlx::Error> {
-        let conn = self.session.start_step();
-        if let Err(error) = DB::rollback(conn, &self.watch).await {
-            tracing::warn!(%error, "rollback failed; the connection is closed");
-            self.session.discard();
-            return Err(error);
-        }
-        self.session.end_step();
-        Ok(())
+        let state = &self.state;
+        self.session
+            .try_step(|conn| DB::rollback(conn, state))
+            .await
+            .inspect_err(
+                |error| tracing::warn!(%error, "rollback failed; the connection is closed"),
+            )
     }
 
     /// The session, once the transaction has ended. (Dropped instead, the transaction leaves what
-    /// is still open to the session's drop, after its watch.)
+    /// is still open to the session's drop, after its state.)
     fn release(self) -> Session<DB> {
         self.session
+    }
+}
+
+/// A claim's statement, made in the open transaction: the inbox's claim, which waits for a
+/// concurrent claim of the same key, or the HTTP layer's, which does not.
+pub(crate) trait ClaimStatement<DB: Backend>: Sync {
+    /// What the claim found.
+    type Found;
+
+    /// Runs the statement on `conn`.
+    fn run<'c>(
+        &'c self,
+        conn: &'c mut DB::Connection,
+    ) -> impl Future<Output = Result<Self::Found, sqlx::Error>> + Send + 'c;
+}
+
+/// The inbox's claim: inserts the key unless it is there, waiting for a concurrent claim of it;
+/// finds whether it inserted it.
+struct InsertKey<'a> {
+    statements: &'a InboxStatements,
+    consumer: &'a str,
+    key: &'a [u8],
+    fingerprint: Option<&'a [u8]>,
+}
+
+impl<DB: Backend> ClaimStatement<DB> for InsertKey<'_> {
+    type Found = bool;
+
+    fn run<'c>(
+        &'c self,
+        conn: &'c mut DB::Connection,
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send + 'c {
+        DB::insert_key(
+            conn,
+            self.statements,
+            self.consumer,
+            self.key,
+            self.fingerprint,
+        )
     }
 }
 

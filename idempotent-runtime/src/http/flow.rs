@@ -29,14 +29,10 @@ use super::problem::Rejection;
 use super::request_key::{read_key, scoped_key};
 use super::stored::{KEY_EXPIRES, StoredResponse};
 use crate::calls::{CallLease, CallStart, Gated};
-use crate::error::{InboxError, Stage};
+use crate::error::InboxError;
 use crate::in_flight::Entered;
-use crate::inbox::{Claim, ClaimOptions, Claimed, Inbox, commit};
+use crate::inbox::{Claim, ClaimOptions, Claimed, Inbox, KeyCommitted, TryClaimed};
 use crate::key::MessageKey;
-use crate::session::Session;
-use crate::store::database_error;
-use crate::store::no_wait::Attempt;
-use crate::transaction::{BeginError, InboxTransaction};
 
 /// How long a leased route tries to store a response at least (longer if its lease is), keeping
 /// the call's lease alive meanwhile.
@@ -209,27 +205,25 @@ impl<DB: HttpBackend> Run<DB> {
         {
             return Ok((Outcome::Replayed, replay));
         }
-        let (tx, attempt) = self.try_claim().await?;
-        match attempt {
-            Ok(Attempt::Claimed) => {}
-            Ok(Attempt::InFlight) => {
-                let _ = tx.rollback().await;
+        let claimed = self
+            .inbox()
+            .try_claim(self.consumer(), &self.key, &self.fingerprint, CALL_NAME)
+            .await
+            .map_err(Rejection::Inbox)?;
+        let claimed = match claimed {
+            TryClaimed::New(claimed) => claimed,
+            TryClaimed::InFlight => {
                 return Err(Rejection::InFlight {
                     retry_after: self.shared.config.retry_after,
                 });
             }
-            Ok(Attempt::CallPending(left)) => {
-                // A leased route's request holds the key: the key inserted here rolls back.
-                let _ = tx.rollback().await;
+            TryClaimed::CallPending(left) => {
+                // A leased route's request holds the key: the key inserted here rolled back.
                 tracing::debug!(retry_after = ?left, "a leased request holds the key");
                 return Err(Rejection::InFlight { retry_after: left });
             }
-            Ok(Attempt::Committed) => {
-                let session = tx
-                    .rollback()
-                    .await
-                    .map_err(|error| Rejection::Inbox(database_error(Stage::Claim)(error)))?;
-                return match self.replay(Some(session)).await? {
+            TryClaimed::Committed(committed) => {
+                return match self.replay(Some(committed)).await? {
                     Some(replay) => Ok((Outcome::Replayed, replay)),
                     // Purged between the claim and the read: as good as in flight.
                     None => Err(Rejection::InFlight {
@@ -237,18 +231,9 @@ impl<DB: HttpBackend> Run<DB> {
                     }),
                 };
             }
-            Err(error) => {
-                let _ = tx.rollback().await;
-                return Err(Rejection::Inbox(database_error(Stage::Claim)(error)));
-            }
-        }
+        };
         tracing::debug!("claimed");
-        let slot = Slot::new(Claimed::new(
-            tx,
-            self.consumer(),
-            self.key.clone(),
-            self.inbox(),
-        ));
+        let slot = Slot::new(claimed);
         let (mut parts, body) = request.into_parts();
         parts.extensions.insert(slot.clone());
         let response = match inner.call(Request::from_parts(parts, body)).await {
@@ -296,18 +281,7 @@ impl<DB: HttpBackend> Run<DB> {
     /// gone from what the connection sees. (A read that fails says nothing: a statement failed in
     /// the transaction, which is still the claim's.)
     async fn claim_rolled_back(&self, claimed: &mut Claimed<DB>) -> bool {
-        if DB::REFUSES_LATER_WRITES {
-            return false;
-        }
-        let statements = &self.inbox().config.statements;
-        let row = DB::stored(
-            claimed.connection(),
-            statements,
-            self.consumer(),
-            self.key.as_bytes(),
-        )
-        .await;
-        matches!(row, Ok(None))
+        !DB::REFUSES_LATER_WRITES && claimed.claim_gone().await
     }
 
     /// The answer to a request whose handler ended the claimed transaction itself: a `500`
@@ -349,10 +323,13 @@ impl<DB: HttpBackend> Run<DB> {
     /// waiting: as a new row, or on the row there if it has no response or has `tried`. `false`
     /// when another request holds the key or stored its response.
     async fn store_ended(&self, answer: &[u8], tried: &[u8]) -> Result<bool, Rejection> {
-        let (mut tx, attempt) = self.try_claim().await?;
-        match attempt {
-            Ok(Attempt::Claimed) => {
-                let mut claimed = Claimed::new(tx, self.consumer(), self.key.clone(), self.inbox());
+        let claimed = self
+            .inbox()
+            .try_claim(self.consumer(), &self.key, &self.fingerprint, CALL_NAME)
+            .await
+            .map_err(Rejection::Inbox)?;
+        match claimed {
+            TryClaimed::New(mut claimed) => {
                 claimed
                     .store_response(answer)
                     .await
@@ -360,78 +337,12 @@ impl<DB: HttpBackend> Run<DB> {
                 claimed.commit().await.map_err(Rejection::Inbox)?;
                 Ok(true)
             }
-            Ok(Attempt::Committed) => {
-                let statements = &self.inbox().config.statements;
-                let filled = DB::fill_response(
-                    tx.connection(),
-                    statements,
-                    self.consumer(),
-                    self.key.as_bytes(),
-                    answer,
-                    tried,
-                )
-                .await;
-                let filled = match filled {
-                    Ok(filled) => filled,
-                    Err(error) => {
-                        let _ = tx.rollback().await;
-                        return Err(Rejection::Inbox(database_error(Stage::StoreResponse)(
-                            error,
-                        )));
-                    }
-                };
-                commit(tx, None).await.map_err(Rejection::Inbox)?;
-                Ok(filled)
-            }
-            Ok(Attempt::InFlight | Attempt::CallPending(_)) => {
-                let _ = tx.rollback().await;
-                Ok(false)
-            }
-            Err(error) => {
-                let _ = tx.rollback().await;
-                Err(Rejection::Inbox(database_error(Stage::Claim)(error)))
-            }
-        }
-    }
-
-    /// Begins a transaction and claims the key in it without waiting. A connection whose prepared
-    /// statements a body deallocated (PostgreSQL's `DEALLOCATE ALL`) fails the claim: its driver
-    /// forgets them, and the claim is made again, as the inbox's own claim does.
-    async fn try_claim(
-        &self,
-    ) -> Result<(InboxTransaction<DB>, Result<Attempt, sqlx::Error>), Rejection> {
-        let begin_error = |error| match error {
-            BeginError::Acquire(error) | BeginError::Begin(error) => {
-                Rejection::Inbox(database_error(Stage::Begin)(error))
-            }
-        };
-        let claim_error = |error| Rejection::Inbox(database_error(Stage::Claim)(error));
-        let statements = &self.inbox().config.statements;
-        for attempt in 0..2 {
-            let mut tx = InboxTransaction::begin(self.inbox().resources())
+            TryClaimed::Committed(committed) => committed
+                .fill_response(answer, tried)
                 .await
-                .map_err(begin_error)?;
-            let claimed = DB::try_insert_key(
-                tx.connection(),
-                statements,
-                self.consumer(),
-                self.key.as_bytes(),
-                &self.fingerprint,
-                CALL_NAME,
-            )
-            .await;
-            match claimed {
-                Err(error) if attempt == 0 && DB::lost_statement(&error) => {
-                    let mut session = tx.rollback().await.map_err(claim_error)?;
-                    DB::forget_statements(session.start_step())
-                        .await
-                        .map_err(claim_error)?;
-                    session.end_step();
-                }
-                claimed => return Ok((tx, claimed)),
-            }
+                .map_err(Rejection::Inbox),
+            TryClaimed::InFlight | TryClaimed::CallPending(_) => Ok(false),
         }
-        unreachable!("the second attempt returns")
     }
 
     /// A leased route: record the pending call, run the handler, store its response in the inbox
@@ -465,18 +376,12 @@ impl<DB: HttpBackend> Run<DB> {
         }
         // On PostgreSQL the call is recorded under the key's advisory lock, which a transactional
         // route's claim of the key holds until it ends: neither runs while the other is in flight.
-        let gate = DB::call_gate(
-            &inbox.config.statements,
-            self.consumer(),
-            self.key.as_bytes(),
-        );
         let started = inbox
-            .begin_call_gated::<serde::de::IgnoredAny>(
+            .begin_call_gated_by_claims::<serde::de::IgnoredAny>(
                 self.consumer(),
                 &self.key,
                 CALL_NAME,
                 lease,
-                gate,
             )
             .await;
         let held = match started {
@@ -633,11 +538,7 @@ impl<DB: HttpBackend> Run<DB> {
             Err(error) => return Err(error),
         };
         claimed.store_response(&stored.encode()).await?;
-        let statements = &self.inbox().config.statements;
-        let released =
-            DB::call_release(claimed.connection(), statements, lease.id(), lease.fence())
-                .await
-                .map_err(database_error(Stage::Call))?;
+        let released = self.inbox().release_call_in(&mut claimed, &lease).await?;
         claimed.commit().await?;
         if !released {
             tracing::warn!(
@@ -684,35 +585,27 @@ impl<DB: HttpBackend> Run<DB> {
     }
 
     /// The replay of the key's stored response, if it has one: `KeyReused` when it was stored
-    /// for a request with another fingerprint. Reads on `session` if given.
-    async fn replay(&self, session: Option<Session<DB>>) -> Result<Option<Response>, Rejection> {
+    /// for a request with another fingerprint. Reads on the transaction that found the key
+    /// committed, if given.
+    async fn replay(
+        &self,
+        committed: Option<KeyCommitted<DB>>,
+    ) -> Result<Option<Response>, Rejection> {
         let inbox = self.inbox();
-        let inspect = |error| Rejection::Inbox(database_error(Stage::Inspect)(error));
-        let mut session = match session {
-            Some(session) => session,
-            None => Session::take(inbox.source()).await.map_err(inspect)?,
+        let read = match committed {
+            Some(committed) => committed.stored_response(&self.fingerprint).await,
+            None => {
+                inbox
+                    .stored_response(self.consumer(), &self.key, &self.fingerprint)
+                    .await
+            }
         };
-        let row = DB::stored(
-            session.start_step(),
-            &inbox.config.statements,
-            self.consumer(),
-            self.key.as_bytes(),
-        )
-        .await
-        .map_err(inspect)?;
-        session.end_step();
-        let Some((response, fingerprint)) = row else {
-            return Ok(None);
+        let response = match read {
+            Ok(Some(response)) => response,
+            Ok(None) => return Ok(None),
+            Err(InboxError::FingerprintMismatch { .. }) => return Err(Rejection::KeyReused),
+            Err(error) => return Err(Rejection::Inbox(error)),
         };
-        if fingerprint.is_some_and(|stored| stored[..] != self.fingerprint[..]) {
-            inbox.metrics.message(
-                self.consumer(),
-                crate::metrics::Outcome::FingerprintMismatch,
-                1,
-            );
-            tracing::info!("the key was used before for another request");
-            return Err(Rejection::KeyReused);
-        }
         let response = response.ok_or(Rejection::Stored(super::StoredError::Missing))?;
         let stored = StoredResponse::decode(&response).map_err(Rejection::Stored)?;
         inbox

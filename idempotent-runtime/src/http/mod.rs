@@ -27,7 +27,7 @@ mod problem;
 mod request_key;
 pub mod stored;
 
-pub use crate::store::no_wait::HttpBackend;
+pub use crate::store::try_claim::HttpBackend;
 pub use extract::{IdempotentTx, RequestKey};
 pub use fingerprint::Fingerprint;
 pub use layer::{

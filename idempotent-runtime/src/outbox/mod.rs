@@ -30,19 +30,19 @@
 //! `idempotent-inbox` crate
 //! (<https://docs.rs/idempotent-inbox/latest/idempotent/guide/outbox/index.html>).
 
-pub(crate) mod message;
 mod operations;
 mod publisher;
 mod relay;
 
 use std::time::Duration;
 
-pub use message::{Destination, MAX_TEXT_LEN, Outbox, OutgoingMessage};
+pub use crate::inbox::outgoing::{Destination, MAX_TEXT_LEN, Outbox, OutgoingMessage};
 pub use operations::{OutboxRecord, OutboxState, OutboxStats};
 pub use publisher::{Publication, PublishError, Publisher};
 pub use relay::{Relay, RelayOptions, RelayReport, RelayStats};
 
 use crate::error::InboxError;
+use crate::inbox::outgoing;
 use crate::inbox::{Config, Inbox, check_name};
 use crate::key::AsMessageKey;
 use crate::metrics::OutboxMetrics;
@@ -75,7 +75,7 @@ impl<DB: Backend> Inbox<DB> {
         conn: &mut DB::Connection,
         outbox: Outbox,
     ) -> Result<(), InboxError> {
-        message::write::<DB>(conn, &self.config.statements.outbox, &outbox).await
+        outgoing::write::<DB>(conn, &self.config.statements.outbox, &outbox).await
     }
 
     /// Starts a relay of this inbox's outbox: tokio tasks that publish committed outgoing messages

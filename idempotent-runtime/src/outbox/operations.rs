@@ -4,10 +4,10 @@
 
 use std::time::SystemTime;
 
-use super::message::Destination;
 use crate::clock::from_ms;
 use crate::error::{InboxError, Stage};
 use crate::inbox::Inbox;
+use crate::inbox::outgoing::Destination;
 use crate::session::Session;
 use crate::store::{Backend, PARKED, PENDING, SENT, ShownRow, database_error};
 
@@ -74,23 +74,18 @@ pub struct OutboxRecord {
 
 impl OutboxRecord {
     fn of(shown: ShownRow) -> Self {
-        let (row, message_id, exchange, routing_key, origin, ordering_key, state, attempts) = (
-            shown.0, shown.1, shown.2, shown.3, shown.4, shown.5, shown.6, shown.7,
-        );
-        let (created_at, sent_at, last_error, payload_len) =
-            (from_ms(shown.8), shown.9, shown.10, shown.11);
         Self {
-            row,
-            message_id,
-            destination: Destination::exchange(exchange, routing_key),
-            origin,
-            ordering_key,
-            state: OutboxState::of(state),
-            attempts: u32::try_from(attempts).unwrap_or(u32::MAX),
-            created_at,
-            sent_at: sent_at.map(from_ms),
-            last_error,
-            payload_len: payload_len.max(0) as u64,
+            row: shown.id,
+            message_id: shown.message_id,
+            destination: Destination::exchange(shown.exchange, shown.routing_key),
+            origin: shown.origin,
+            ordering_key: shown.ordering_key,
+            state: OutboxState::of(shown.state),
+            attempts: u32::try_from(shown.attempts).unwrap_or(u32::MAX),
+            created_at: from_ms(shown.created_at),
+            sent_at: shown.sent_at.map(from_ms),
+            last_error: shown.last_error,
+            payload_len: shown.payload_len.max(0) as u64,
         }
     }
 }
@@ -113,10 +108,10 @@ impl<DB: Backend> Inbox<DB> {
     /// Counts the outbox's messages by state (reads the whole table: an operator's command).
     pub async fn outbox_stats(&self) -> Result<OutboxStats, InboxError> {
         let mut session = self.inspecting().await?;
-        let counts = DB::outbox_counts(session.start_step(), &self.config.statements.outbox)
+        let counts = session
+            .try_step(|conn| DB::outbox_counts(conn, &self.config.statements.outbox))
             .await
             .map_err(database_error(Stage::Inspect))?;
-        session.end_step();
         let mut stats = OutboxStats::default();
         for (state, rows, oldest) in counts {
             let rows = rows.max(0) as u64;
@@ -142,15 +137,17 @@ impl<DB: Backend> Inbox<DB> {
     ) -> Result<Vec<OutboxRecord>, InboxError> {
         let mut session = self.inspecting().await?;
         let limit = i64::try_from(limit.max(1)).unwrap_or(i64::MAX);
-        let rows = DB::outbox_parked(
-            session.start_step(),
-            &self.config.statements.outbox,
-            after.unwrap_or(0),
-            limit,
-        )
-        .await
-        .map_err(database_error(Stage::Inspect))?;
-        session.end_step();
+        let rows = session
+            .try_step(|conn| {
+                DB::outbox_parked(
+                    conn,
+                    &self.config.statements.outbox,
+                    after.unwrap_or(0),
+                    limit,
+                )
+            })
+            .await
+            .map_err(database_error(Stage::Inspect))?;
         Ok(rows.into_iter().map(OutboxRecord::of).collect())
     }
 
@@ -158,24 +155,20 @@ impl<DB: Backend> Inbox<DB> {
     /// outside a handler with the same id has more), in the order they were written.
     pub async fn outbox_messages(&self, message_id: &str) -> Result<Vec<OutboxRecord>, InboxError> {
         let mut session = self.inspecting().await?;
-        let rows = DB::outbox_rows_of(
-            session.start_step(),
-            &self.config.statements.outbox,
-            message_id,
-        )
-        .await
-        .map_err(database_error(Stage::Inspect))?;
-        session.end_step();
+        let rows = session
+            .try_step(|conn| DB::outbox_rows_of(conn, &self.config.statements.outbox, message_id))
+            .await
+            .map_err(database_error(Stage::Inspect))?;
         Ok(rows.into_iter().map(OutboxRecord::of).collect())
     }
 
     /// Returns the outbox's row `row`, if it is there.
     pub async fn outbox_message(&self, row: i64) -> Result<Option<OutboxRecord>, InboxError> {
         let mut session = self.inspecting().await?;
-        let found = DB::outbox_row(session.start_step(), &self.config.statements.outbox, row)
+        let found = session
+            .try_step(|conn| DB::outbox_row(conn, &self.config.statements.outbox, row))
             .await
             .map_err(database_error(Stage::Inspect))?;
-        session.end_step();
         Ok(found.map(OutboxRecord::of))
     }
 
@@ -185,10 +178,10 @@ impl<DB: Backend> Inbox<DB> {
     /// went out while it was parked.
     pub async fn retry_parked(&self, row: i64) -> Result<bool, InboxError> {
         let mut session = self.inspecting().await?;
-        let retried = DB::outbox_retry(session.start_step(), &self.config.statements.outbox, row)
+        let retried = session
+            .try_step(|conn| DB::outbox_retry(conn, &self.config.statements.outbox, row))
             .await
             .map_err(database_error(Stage::Inspect))?;
-        session.end_step();
         if retried {
             tracing::info!(table = %self.table(), row, "a parked outgoing message is pending again");
         }

@@ -4,7 +4,7 @@
 
 use std::future::Future;
 
-use super::message::Destination;
+use crate::inbox::outgoing::Destination;
 
 /// One outgoing message as a relay hands it to a [`Publisher`]: a row of the outbox.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -15,10 +15,10 @@ use std::time::{Duration, Instant};
 use tokio::sync::{Notify, watch};
 use tokio::task::JoinHandle;
 
-use super::message::{Destination, decode_headers};
 use super::publisher::{Publication, PublishError, Publisher};
 use crate::clock::millis;
 use crate::error::{InboxError, Stage};
+use crate::inbox::outgoing::{Destination, decode_headers};
 use crate::inbox::{Inbox, commit};
 use crate::metrics::OutboxMetrics;
 use crate::session::Session;
@@ -393,11 +393,10 @@ fn next_pause(last: Duration) -> Duration {
 pub(crate) async fn backlog<DB: Backend>(inbox: &Inbox<DB>) -> Result<(u64, Duration), InboxError> {
     let failed = || database_error(Stage::Relay);
     let mut session = Session::take(inbox.source()).await.map_err(failed())?;
-    let (rows, oldest, now) =
-        DB::outbox_backlog(session.start_step(), &inbox.config.statements.outbox)
-            .await
-            .map_err(failed())?;
-    session.end_step();
+    let (rows, oldest, now) = session
+        .try_step(|conn| DB::outbox_backlog(conn, &inbox.config.statements.outbox))
+        .await
+        .map_err(failed())?;
     let age = oldest.map_or(0, |oldest| now.saturating_sub(oldest).max(0));
     Ok((rows.max(0) as u64, Duration::from_millis(age as u64)))
 }
@@ -462,12 +461,14 @@ async fn run_batch<DB: Backend, P: Publisher>(
     let publications: Vec<Publication> = rows
         .iter()
         .map(|row| Publication {
-            message_id: row.1.clone(),
-            destination: Destination::exchange(row.2.clone(), row.3.clone()),
-            payload: row.4.clone(),
-            headers: decode_headers(row.5.as_deref()),
-            ordering_key: row.8.clone(),
-            attempt: u32::try_from(row.6).unwrap_or(u32::MAX).saturating_add(1),
+            message_id: row.message_id.clone(),
+            destination: Destination::exchange(row.exchange.clone(), row.routing_key.clone()),
+            payload: row.payload.clone(),
+            headers: decode_headers(row.headers.as_deref()),
+            ordering_key: row.ordering_key.clone(),
+            attempt: u32::try_from(row.attempts)
+                .unwrap_or(u32::MAX)
+                .saturating_add(1),
         })
         .collect();
     let outcomes =
@@ -495,17 +496,17 @@ async fn run_batch<DB: Backend, P: Publisher>(
     for (row, outcome) in rows.iter().zip(&outcomes) {
         match outcome {
             Ok(()) => {
-                sent.push(row.0);
-                let queued_ms = row.9.saturating_sub(row.7).max(0) as u64;
+                sent.push(row.id);
+                let queued_ms = row.now_ms.saturating_sub(row.created_at).max(0) as u64;
                 delays.push(Duration::from_millis(queued_ms) + taken_at.elapsed());
             }
             Err(PublishError::Rejected { reason }) => {
-                let attempts = row.6.saturating_add(1);
+                let attempts = row.attempts.saturating_add(1);
                 let park = attempts >= i64::from(options.max_attempts);
                 let attempt = u32::try_from(attempts).unwrap_or(u32::MAX);
                 let error = shorten(reason);
                 let failure = Failure {
-                    id: row.0,
+                    id: row.id,
                     state: if park { PARKED } else { PENDING },
                     attempts,
                     delay_ms: millis(options.retry_delay(attempt)),
@@ -513,10 +514,10 @@ async fn run_batch<DB: Backend, P: Publisher>(
                 };
                 if park {
                     report.parked += 1;
-                    tracing::warn!(message_id = %row.1, attempts, %reason, "parked an outgoing message the broker keeps refusing");
+                    tracing::warn!(message_id = %row.message_id, attempts, %reason, "parked an outgoing message the broker keeps refusing");
                 } else {
                     report.rejected += 1;
-                    tracing::info!(message_id = %row.1, attempts, %reason, "the broker refused an outgoing message; trying again later");
+                    tracing::info!(message_id = %row.message_id, attempts, %reason, "the broker refused an outgoing message; trying again later");
                 }
                 if let Err(error) = DB::outbox_mark_failed(&mut *conn, statements, failure).await {
                     let _ = tx.rollback().await;
@@ -525,8 +526,8 @@ async fn run_batch<DB: Backend, P: Publisher>(
             }
             Err(error @ PublishError::Unavailable(_)) => {
                 report.unavailable += 1;
-                unconfirmed.push(row.0);
-                tracing::debug!(message_id = %row.1, %error, "an outgoing message was not confirmed; trying again later");
+                unconfirmed.push(row.id);
+                tracing::debug!(message_id = %row.message_id, %error, "an outgoing message was not confirmed; trying again later");
             }
         }
     }

@@ -56,9 +56,8 @@ use sqlx::mysql::{MySqlConnection, MySqlDatabaseError, MySqlTransactionManager};
 use sqlx::{AssertSqlSafe, Executor, MySql};
 use sqlx_core::transaction::TransactionManager;
 
-use super::{
-    Backend, Dialect, Ending, HandlerConnection, OutboxDialect, RolledBack, Statements, Store,
-};
+use super::inbox::InboxStatements;
+use super::{Backend, Dialect, Ending, HandlerConnection, OutboxDialect, RolledBack, Store};
 use crate::error::Fault;
 use crate::table::TableName;
 
@@ -135,13 +134,13 @@ impl Store for MySql {
     const BEGIN_RELAY: &'static str = begin!("SET TRANSACTION ISOLATION LEVEL READ COMMITTED; ");
 
     type Settings = ();
-    type Watch = ();
+    type TransactionState = ();
 
-    async fn watch(_conn: &mut MySqlConnection) -> Result<(), sqlx::Error> {
+    async fn ready_transaction(_conn: &mut MySqlConnection) -> Result<(), sqlx::Error> {
         Ok(())
     }
 
-    async fn commit(conn: &mut MySqlConnection, _watch: &()) -> Result<Ending, sqlx::Error> {
+    async fn commit(conn: &mut MySqlConnection, _state: &()) -> Result<Ending, sqlx::Error> {
         let committed = conn.execute(COMMIT).await;
         let error = match committed {
             Ok(_) => {
@@ -164,13 +163,13 @@ impl Store for MySql {
         }
     }
 
-    async fn rollback(conn: &mut MySqlConnection, _watch: &()) -> Result<(), sqlx::Error> {
+    async fn rollback(conn: &mut MySqlConnection, _state: &()) -> Result<(), sqlx::Error> {
         end(conn).await
     }
 
     async fn rollback_checked(
         conn: &mut MySqlConnection,
-        _watch: &(),
+        _state: &(),
     ) -> Result<RolledBack, sqlx::Error> {
         // The release fails when the transaction is not the one that set the savepoint (one a
         // statement of the body committed implicitly, or the server rolled back); then nothing
@@ -355,11 +354,11 @@ impl Store for MySql {
 
     async fn claim_batch(
         conn: &mut MySqlConnection,
-        statements: &Statements,
+        statements: &InboxStatements,
         consumer: &str,
         keys: &[&[u8]],
     ) -> Result<Vec<Vec<u8>>, sqlx::Error> {
-        use super::Queries;
+        use super::InboxQueries;
         // MySQL has no INSERT … RETURNING: one claim per key, in key order, in the transaction.
         let mut inserted = Vec::new();
         for key in keys {

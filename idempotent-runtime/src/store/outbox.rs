@@ -1,7 +1,6 @@
 //! The outbox's SQL: the rows a handler's transaction writes to `<table>_outbox`, the statements
 //! relays take them with and mark them by, and what operators read. Built once from the dialect,
-//! as the inbox's own statements are (`statements.rs`), and run by one generic implementation
-//! ([`OutboxQueries`]).
+//! as the inbox's own statements are, and run by one generic implementation ([`OutboxQueries`]).
 //!
 //! A row is `pending` (state 0) until a relay saw the broker confirm it, then `sent` (1), or
 //! `parked` (2) after the broker refused it too often. A message with an ordering key also gets
@@ -14,62 +13,44 @@ use std::sync::Arc;
 
 use sqlx::{AssertSqlSafe, Database, Decode, Encode, Executor, Type};
 
-use super::private::Store;
-use super::queries::{RowsAffected, alone};
-use super::statements::{Bind, Dialect, Params, PurgeSql};
+use super::dialect::{Dialect, OutboxDialect, Params};
+use super::purge::{Bind, PurgeSql};
+use super::query::{QueryBuilder, RowsAffected, in_own_transaction};
 use crate::table::TableName;
 
-/// What the outbox's statements need that the inbox's do not.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct OutboxDialect {
-    /// What ends a relay's read of the rows it takes, so that other relays skip them: `FOR
-    /// UPDATE SKIP LOCKED` (PostgreSQL, MySQL 8, MariaDB 10.6+), or nothing (SQLite, where the
-    /// relay's transaction holds the database's one write lock).
-    pub(crate) skip_locked: &'static str,
-    /// What ends `INSERT INTO <keys> (ordering_key, last_seq, updated_at) VALUES (…)` so that a
-    /// key already there counts one up instead; `{k}` is the quoted keys table, `{now}` the clock.
-    pub(crate) next_seq: &'static str,
-    /// The statement that wakes the relays listening on channel `{c}` when the transaction
-    /// commits (PostgreSQL's `NOTIFY`), if the database has one.
-    pub(crate) notify: Option<&'static str>,
-    /// A relay takes its rows with `UPDATE … RETURNING`, marking them sent in the statement that
-    /// locks them (PostgreSQL, SQLite: one write per row); failures are set back before the
-    /// commit. Otherwise (MySQL, MariaDB: no `UPDATE … RETURNING`) it locks them with a `SELECT`
-    /// and marks the confirmed ones afterwards.
-    pub(crate) mark_on_take: bool,
+/// A row a relay took, times in milliseconds of the database's clock.
+#[derive(Debug, sqlx::FromRow)]
+pub struct TakenRow {
+    pub(crate) id: i64,
+    pub(crate) message_id: String,
+    pub(crate) exchange: String,
+    pub(crate) routing_key: String,
+    pub(crate) payload: Vec<u8>,
+    pub(crate) headers: Option<Vec<u8>>,
+    pub(crate) attempts: i64,
+    pub(crate) created_at: i64,
+    pub(crate) ordering_key: Option<String>,
+    /// The database's clock as the row was taken.
+    pub(crate) now_ms: i64,
 }
 
-/// A row a relay took: `(id, message_id, exchange, routing_key, payload, headers, attempts,
-/// created_at, ordering_key, now)`, times in milliseconds of the database's clock.
-pub(crate) type TakenRow = (
-    i64,
-    String,
-    String,
-    String,
-    Vec<u8>,
-    Option<Vec<u8>>,
-    i64,
-    i64,
-    Option<String>,
-    i64,
-);
-
-/// A row as operators see it: `(id, message_id, exchange, routing_key, origin, ordering_key,
-/// state, attempts, created_at, sent_at, last_error, payload length)`.
-pub(crate) type ShownRow = (
-    i64,
-    String,
-    String,
-    String,
-    String,
-    Option<String>,
-    i64,
-    i64,
-    i64,
-    Option<i64>,
-    Option<String>,
-    i64,
-);
+/// A row as operators see it, times in milliseconds of the database's clock.
+#[derive(Debug, sqlx::FromRow)]
+pub struct ShownRow {
+    pub(crate) id: i64,
+    pub(crate) message_id: String,
+    pub(crate) exchange: String,
+    pub(crate) routing_key: String,
+    pub(crate) origin: String,
+    pub(crate) ordering_key: Option<String>,
+    pub(crate) state: i64,
+    pub(crate) attempts: i64,
+    pub(crate) created_at: i64,
+    pub(crate) sent_at: Option<i64>,
+    pub(crate) last_error: Option<String>,
+    /// The payload's length in bytes.
+    pub(crate) payload_len: i64,
+}
 
 /// Per state: `(state, rows, oldest created_at)`.
 pub(crate) type StateCount = (i64, i64, Option<i64>);
@@ -166,7 +147,7 @@ impl OutboxStatements {
         let notify = notify.map(|sql| sql.replace("{c}", &channel).into());
         let taken = format!(
             "id, message_id, exchange, routing_key, payload, headers, attempts, created_at, \
-             ordering_key, {now}"
+             ordering_key, {now} AS now_ms"
         );
         let take_unkeyed = Self::take(
             dialect,
@@ -205,7 +186,7 @@ impl OutboxStatements {
         let counts = format!("SELECT state, COUNT(*), MIN(created_at) FROM {o} GROUP BY state");
         let shown = format!(
             "SELECT id, message_id, exchange, routing_key, origin, ordering_key, state, attempts, \
-             created_at, sent_at, last_error, CAST(LENGTH(payload) AS {}) FROM {o}",
+             created_at, sent_at, last_error, CAST(LENGTH(payload) AS {}) AS payload_len FROM {o}",
             dialect.int
         );
         let parked = {
@@ -361,6 +342,12 @@ impl OutboxStatements {
     }
 }
 
+impl QueryBuilder for OutboxStatements {
+    fn pooled(&self) -> bool {
+        self.pooled
+    }
+}
+
 /// How a failed publication leaves its row: its new state, attempts, delay before the next
 /// attempt, and the error.
 #[derive(Debug, Clone, Copy)]
@@ -372,10 +359,8 @@ pub struct Failure<'a> {
     pub(crate) error: &'a str,
 }
 
-/// The outbox's statements, run; implemented once for every backend (see [`Queries`]).
-///
-/// [`Queries`]: super::Queries
-pub trait OutboxQueries: Store {
+/// The outbox's statements, run; implemented once for every backend.
+pub trait OutboxQueries: Database {
     /// Writes `row` in the open transaction, with its ordering key's next number if it has one.
     fn outbox_insert<'a>(
         conn: &'a mut Self::Connection,
@@ -459,19 +444,19 @@ pub trait OutboxQueries: Store {
 
 impl<DB> OutboxQueries for DB
 where
-    DB: Store + sqlx::database::HasStatementCache,
+    DB: Database + sqlx::database::HasStatementCache,
     for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
     for<'q> &'q str: Encode<'q, DB> + Type<DB>,
     for<'q> &'q [u8]: Encode<'q, DB> + Type<DB>,
     for<'q> Option<&'q [u8]>: Encode<'q, DB>,
     <DB as Database>::Arguments: sqlx::IntoArguments<DB>,
     for<'q> i64: Encode<'q, DB> + Type<DB>,
-    for<'r> Option<Vec<u8>>: Decode<'r, DB> + Type<DB>,
+    for<'r> Option<i64>: Decode<'r, DB>,
     for<'r> i64: Decode<'r, DB>,
     for<'r> String: Decode<'r, DB> + Type<DB>,
-    for<'r> Vec<u8>: Decode<'r, DB> + Type<DB>,
-    for<'r> Option<i64>: Decode<'r, DB>,
     usize: sqlx::ColumnIndex<DB::Row>,
+    for<'r> TakenRow: sqlx::FromRow<'r, DB::Row>,
+    for<'r> ShownRow: sqlx::FromRow<'r, DB::Row>,
     DB::QueryResult: RowsAffected,
 {
     async fn outbox_insert(
@@ -481,8 +466,8 @@ where
     ) -> Result<(), sqlx::Error> {
         let sql = match row.ordering_key {
             Some(key) => {
-                sqlx::query(AssertSqlSafe(statements.next_seq.clone()))
-                    .persistent(!statements.pooled)
+                statements
+                    .query(AssertSqlSafe(statements.next_seq.clone()))
                     .bind(key)
                     .execute(&mut *conn)
                     .await?;
@@ -490,8 +475,8 @@ where
             }
             None => statements.insert.clone(),
         };
-        let mut query = sqlx::query(AssertSqlSafe(sql))
-            .persistent(!statements.pooled)
+        let mut query = statements
+            .query(AssertSqlSafe(sql))
             .bind(row.message_id)
             .bind(row.exchange)
             .bind(row.routing_key)
@@ -510,8 +495,8 @@ where
         statements: &OutboxStatements,
     ) -> Result<(), sqlx::Error> {
         if let Some(notify) = statements.notify.as_ref().filter(|_| statements.notifies) {
-            sqlx::query(AssertSqlSafe(notify.clone()))
-                .persistent(!statements.pooled)
+            statements
+                .query(AssertSqlSafe(notify.clone()))
                 .execute(conn)
                 .await?;
         }
@@ -524,15 +509,14 @@ where
         limit: usize,
     ) -> Result<Vec<TakenRow>, sqlx::Error> {
         let limit = limit.max(1);
-        let heads: Vec<(String, i64)> = sqlx::query_as(AssertSqlSafe(statements.heads.clone()))
-            .persistent(!statements.pooled)
+        let heads: Vec<(String, i64)> = statements
+            .query_as(AssertSqlSafe(statements.heads.clone()))
             .bind(i64::try_from(limit.div_ceil(2)).unwrap_or(i64::MAX))
             .fetch_all(&mut *conn)
             .await?;
         let mut rows: Vec<TakenRow> = Vec::with_capacity(limit);
         if !heads.is_empty() {
-            let mut query = sqlx::query_as(AssertSqlSafe(statements.take_keyed(heads.len())))
-                .persistent(!statements.pooled);
+            let mut query = statements.query_as(AssertSqlSafe(statements.take_keyed(heads.len())));
             for (key, seq) in &heads {
                 query = query.bind(key.as_str()).bind(*seq);
             }
@@ -540,15 +524,14 @@ where
         }
         let rest = limit.saturating_sub(rows.len());
         if rest > 0 {
-            let unkeyed: Vec<TakenRow> =
-                sqlx::query_as(AssertSqlSafe(statements.take_unkeyed.clone()))
-                    .persistent(!statements.pooled)
-                    .bind(i64::try_from(rest).unwrap_or(i64::MAX))
-                    .fetch_all(conn)
-                    .await?;
+            let unkeyed: Vec<TakenRow> = statements
+                .query_as(AssertSqlSafe(statements.take_unkeyed.clone()))
+                .bind(i64::try_from(rest).unwrap_or(i64::MAX))
+                .fetch_all(conn)
+                .await?;
             rows.extend(unkeyed);
         }
-        rows.sort_by_key(|row| row.0);
+        rows.sort_by_key(|row| row.id);
         Ok(rows)
     }
 
@@ -563,7 +546,7 @@ where
         // Bounded statements, well under every database's limit on parameters.
         for chunk in ids.chunks(500) {
             let sql = statements.set_state(chunk.len(), state);
-            let mut query = sqlx::query(AssertSqlSafe(sql)).persistent(!statements.pooled);
+            let mut query = statements.query(AssertSqlSafe(sql));
             for id in chunk {
                 query = query.bind(*id);
             }
@@ -577,8 +560,8 @@ where
         statements: &OutboxStatements,
         failure: Failure<'_>,
     ) -> Result<(), sqlx::Error> {
-        sqlx::query(AssertSqlSafe(statements.mark_failed.clone()))
-            .persistent(!statements.pooled)
+        statements
+            .query(AssertSqlSafe(statements.mark_failed.clone()))
             .bind(failure.state)
             .bind(failure.attempts)
             .bind(failure.delay_ms)
@@ -593,11 +576,11 @@ where
         conn: &mut DB::Connection,
         statements: &OutboxStatements,
     ) -> Result<(i64, Option<i64>, i64), sqlx::Error> {
-        alone!(
+        in_own_transaction!(
             conn,
             statements,
-            sqlx::query_as(AssertSqlSafe(statements.backlog.clone()))
-                .persistent(!statements.pooled)
+            statements
+                .query_as(AssertSqlSafe(statements.backlog.clone()))
                 .fetch_one(&mut *conn)
         )
     }
@@ -606,11 +589,11 @@ where
         conn: &mut DB::Connection,
         statements: &OutboxStatements,
     ) -> Result<Vec<StateCount>, sqlx::Error> {
-        alone!(
+        in_own_transaction!(
             conn,
             statements,
-            sqlx::query_as(AssertSqlSafe(statements.counts.clone()))
-                .persistent(!statements.pooled)
+            statements
+                .query_as(AssertSqlSafe(statements.counts.clone()))
                 .fetch_all(&mut *conn)
         )
     }
@@ -621,11 +604,11 @@ where
         after: i64,
         limit: i64,
     ) -> Result<Vec<ShownRow>, sqlx::Error> {
-        alone!(
+        in_own_transaction!(
             conn,
             statements,
-            sqlx::query_as(AssertSqlSafe(statements.parked.clone()))
-                .persistent(!statements.pooled)
+            statements
+                .query_as(AssertSqlSafe(statements.parked.clone()))
                 .bind(after)
                 .bind(limit)
                 .fetch_all(&mut *conn)
@@ -637,11 +620,11 @@ where
         statements: &OutboxStatements,
         id: i64,
     ) -> Result<Option<ShownRow>, sqlx::Error> {
-        alone!(
+        in_own_transaction!(
             conn,
             statements,
-            sqlx::query_as(AssertSqlSafe(statements.row.clone()))
-                .persistent(!statements.pooled)
+            statements
+                .query_as(AssertSqlSafe(statements.row.clone()))
                 .bind(id)
                 .fetch_optional(&mut *conn)
         )
@@ -652,11 +635,11 @@ where
         statements: &OutboxStatements,
         message_id: &str,
     ) -> Result<Vec<ShownRow>, sqlx::Error> {
-        alone!(
+        in_own_transaction!(
             conn,
             statements,
-            sqlx::query_as(AssertSqlSafe(statements.by_message_id.clone()))
-                .persistent(!statements.pooled)
+            statements
+                .query_as(AssertSqlSafe(statements.by_message_id.clone()))
                 .bind(message_id)
                 .fetch_all(&mut *conn)
         )
@@ -667,11 +650,11 @@ where
         statements: &OutboxStatements,
         id: i64,
     ) -> Result<bool, sqlx::Error> {
-        let done = alone!(
+        let done = in_own_transaction!(
             conn,
             statements,
-            sqlx::query(AssertSqlSafe(statements.retry.clone()))
-                .persistent(!statements.pooled)
+            statements
+                .query(AssertSqlSafe(statements.retry.clone()))
                 .bind(id)
                 .execute(&mut *conn)
         )?;
@@ -679,46 +662,10 @@ where
     }
 }
 
-/// Listens on `channel` and calls `wake` for each notification, and once after each reconnection
-/// (the notifications sent meanwhile are lost); reconnects after failures, for ever.
-#[cfg(feature = "postgres")]
-pub(crate) async fn listen_postgres(
-    pool: sqlx::PgPool,
-    channel: String,
-    wake: Arc<dyn Fn() + Send + Sync>,
-) {
-    use sqlx::postgres::PgListener;
-    let mut pause = std::time::Duration::from_millis(100);
-    loop {
-        let mut listening = false;
-        let failed: Result<std::convert::Infallible, sqlx::Error> = async {
-            let mut listener = PgListener::connect_with(&pool).await?;
-            listener.listen(&channel).await?;
-            listening = true;
-            // Rows committed before the LISTEN took effect notified nobody.
-            wake();
-            loop {
-                // `None`: the connection was lost and is back; what was notified meanwhile is
-                // gone, so wake up either way.
-                listener.try_recv().await?;
-                wake();
-            }
-        }
-        .await;
-        let Err(error) = failed;
-        tracing::debug!(%channel, %error, "the outbox's listener failed; relays poll meanwhile");
-        wake();
-        if listening {
-            pause = std::time::Duration::from_millis(100);
-        }
-        tokio::time::sleep(pause).await;
-        pause = (pause * 2).min(std::time::Duration::from_secs(5));
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store::dialect::OutboxDialect;
 
     fn dialect() -> Dialect {
         Dialect {

@@ -44,9 +44,8 @@ use sqlx::sqlite::{
 use sqlx::{AssertSqlSafe, Executor, SqlSafeStr, Sqlite};
 use sqlx_core::transaction::TransactionManager;
 
-use super::{
-    Backend, Dialect, Ending, HandlerConnection, OutboxDialect, RolledBack, Statements, Store,
-};
+use super::inbox::InboxStatements;
+use super::{Backend, Dialect, Ending, HandlerConnection, OutboxDialect, RolledBack, Store};
 use crate::error::Fault;
 use crate::table::TableName;
 
@@ -69,7 +68,7 @@ pub fn connect_options(url: &str) -> Result<SqliteConnectOptions, sqlx::Error> {
         .journal_mode(SqliteJournalMode::Wal))
 }
 
-mod watch {
+mod hooks {
     use super::*;
 
     /// What the connection's hooks know of the inbox's transaction.
@@ -85,15 +84,15 @@ mod watch {
 
     /// Watches one transaction of the inbox through the connection's hooks; stops when dropped.
     #[derive(Debug)]
-    pub struct Watch(pub Arc<Hooks>);
+    pub struct TransactionHooks(pub Arc<Hooks>);
 
-    impl Drop for Watch {
+    impl Drop for TransactionHooks {
         fn drop(&mut self) {
             self.0.open.store(false, Ordering::SeqCst);
         }
     }
 }
-use watch::{Hooks, Watch};
+use hooks::{Hooks, TransactionHooks};
 
 impl Backend for Sqlite {}
 
@@ -130,9 +129,11 @@ impl Store for Sqlite {
     const BEGIN: &'static str = "BEGIN IMMEDIATE";
 
     type Settings = ();
-    type Watch = Watch;
+    type TransactionState = TransactionHooks;
 
-    async fn watch(conn: &mut SqliteConnection) -> Result<Watch, sqlx::Error> {
+    async fn ready_transaction(
+        conn: &mut SqliteConnection,
+    ) -> Result<TransactionHooks, sqlx::Error> {
         // The inbox's transaction begins at depth 0. A connection that comes with a count of a
         // transaction was dropped after a body ended the inbox's transaction itself: the rollback
         // queued at the drop found none to end, and sqlx counts one that is not there (its next
@@ -155,11 +156,14 @@ impl Store for Sqlite {
                 on_rollback.rolled_back.store(true, Ordering::SeqCst);
             }
         });
-        Ok(Watch(hooks))
+        Ok(TransactionHooks(hooks))
     }
 
-    async fn commit(conn: &mut SqliteConnection, watch: &Watch) -> Result<Ending, sqlx::Error> {
-        let hooks = &watch.0;
+    async fn commit(
+        conn: &mut SqliteConnection,
+        hooked: &TransactionHooks,
+    ) -> Result<Ending, sqlx::Error> {
+        let hooks = &hooked.0;
         if hooks.rolled_back.load(Ordering::SeqCst) {
             resync(conn).await?;
             // The commit hook refuses every commit but the inbox's while the transaction is open.
@@ -180,8 +184,11 @@ impl Store for Sqlite {
         }
     }
 
-    async fn rollback(conn: &mut SqliteConnection, watch: &Watch) -> Result<(), sqlx::Error> {
-        if watch.0.rolled_back.load(Ordering::SeqCst) {
+    async fn rollback(
+        conn: &mut SqliteConnection,
+        hooked: &TransactionHooks,
+    ) -> Result<(), sqlx::Error> {
+        if hooked.0.rolled_back.load(Ordering::SeqCst) {
             return resync(conn).await;
         }
         SqliteTransactionManager::rollback(conn).await
@@ -189,11 +196,11 @@ impl Store for Sqlite {
 
     async fn rollback_checked(
         conn: &mut SqliteConnection,
-        watch: &Watch,
+        hooked: &TransactionHooks,
     ) -> Result<RolledBack, sqlx::Error> {
         // The hooks saw the inbox's transaction end under the body (its commits are refused).
-        let replaced = watch.0.rolled_back.load(Ordering::SeqCst);
-        Self::rollback(conn, watch).await?;
+        let replaced = hooked.0.rolled_back.load(Ordering::SeqCst);
+        Self::rollback(conn, hooked).await?;
         Ok(if replaced {
             RolledBack::Replaced {
                 later_writes_refused: Self::REFUSES_LATER_WRITES,
@@ -366,7 +373,7 @@ impl Store for Sqlite {
 
     async fn claim_batch(
         conn: &mut SqliteConnection,
-        statements: &Statements,
+        statements: &InboxStatements,
         consumer: &str,
         keys: &[&[u8]],
     ) -> Result<Vec<Vec<u8>>, sqlx::Error> {

@@ -65,8 +65,9 @@ use sqlx::postgres::{PgConnection, PgDatabaseError, PgTransactionManager};
 use sqlx::{AssertSqlSafe, Executor, PgPool, Postgres, Row, SqlSafeStr};
 use sqlx_core::transaction::TransactionManager;
 
+use super::inbox::InboxStatements;
 use super::{
-    Backend, Dialect, Ending, HandlerConnection, OutboxDialect, RolledBack, Statements, Store,
+    Backend, Dialect, Ending, HandlerConnection, OutboxDialect, QueryBuilder, RolledBack, Store,
 };
 use crate::error::Fault;
 use crate::key::hex;
@@ -91,6 +92,8 @@ mod settings {
     }
 }
 use settings::PgSettings;
+
+mod listen;
 
 /// The settings of an inbox that sends its claim with its `BEGIN`.
 pub(crate) fn pipelined() -> PgSettings {
@@ -126,15 +129,15 @@ impl Store for Postgres {
     const BEGIN: &'static str = "BEGIN; SET LOCAL idempotent.claim = 'on'";
 
     type Settings = PgSettings;
-    type Watch = ();
+    type TransactionState = ();
 
-    async fn watch(_conn: &mut PgConnection) -> Result<(), sqlx::Error> {
+    async fn ready_transaction(_conn: &mut PgConnection) -> Result<(), sqlx::Error> {
         Ok(())
     }
 
     fn pipelined_claim(
         settings: &PgSettings,
-        statements: &Statements,
+        statements: &InboxStatements,
         consumer: &str,
         key: &[u8],
         fingerprint: Option<&[u8]>,
@@ -159,14 +162,14 @@ impl Store for Postgres {
     async fn prepare_pipelined_claim(
         conn: &mut PgConnection,
         _settings: &PgSettings,
-        statements: &Statements,
+        statements: &InboxStatements,
     ) -> Result<(), sqlx::Error> {
         let prepare = PreparedClaim::new(statements).prepare;
         conn.execute(AssertSqlSafe(prepare)).await?;
         Ok(())
     }
 
-    async fn commit(conn: &mut PgConnection, _watch: &()) -> Result<Ending, sqlx::Error> {
+    async fn commit(conn: &mut PgConnection, _state: &()) -> Result<Ending, sqlx::Error> {
         let ending = match mark(conn).await? {
             Mark::Set => {
                 PgTransactionManager::commit(conn).await?;
@@ -183,13 +186,13 @@ impl Store for Postgres {
         Ok(ending)
     }
 
-    async fn rollback(conn: &mut PgConnection, _watch: &()) -> Result<(), sqlx::Error> {
+    async fn rollback(conn: &mut PgConnection, _state: &()) -> Result<(), sqlx::Error> {
         PgTransactionManager::rollback(conn).await
     }
 
     async fn rollback_checked(
         conn: &mut PgConnection,
-        _watch: &(),
+        _state: &(),
     ) -> Result<RolledBack, sqlx::Error> {
         let rolled_back = match mark(conn).await? {
             // An aborted transaction is taken for the inbox's: a body that ended it, began
@@ -382,21 +385,21 @@ impl Store for Postgres {
 
     async fn claim_batch(
         conn: &mut PgConnection,
-        statements: &Statements,
+        statements: &InboxStatements,
         consumer: &str,
         keys: &[&[u8]],
     ) -> Result<Vec<Vec<u8>>, sqlx::Error> {
         let keys: Vec<Vec<u8>> = keys.iter().map(|k| k.to_vec()).collect();
-        sqlx::query_scalar(AssertSqlSafe(statements.table_sql(
-            "INSERT INTO {t} (consumer, message_key) \
+        statements
+            .query_scalar(AssertSqlSafe(statements.table_sql(
+                "INSERT INTO {t} (consumer, message_key) \
              SELECT $1, k FROM unnest($2::bytea[]) AS u(k) ORDER BY k \
              ON CONFLICT DO NOTHING RETURNING message_key",
-        )))
-        .persistent(!statements.pooled)
-        .bind(consumer)
-        .bind(keys)
-        .fetch_all(conn)
-        .await
+            )))
+            .bind(consumer)
+            .bind(keys)
+            .fetch_all(conn)
+            .await
     }
 
     async fn try_lock_purge(
@@ -456,7 +459,7 @@ impl Store for Postgres {
         channel: &str,
         wake: std::sync::Arc<dyn Fn() + Send + Sync>,
     ) -> Option<tokio::task::JoinHandle<()>> {
-        Some(tokio::spawn(super::outbox::listen_postgres(
+        Some(tokio::spawn(listen::listen(
             pool.clone(),
             channel.to_owned(),
             wake,
@@ -515,7 +518,7 @@ struct PreparedClaim {
 }
 
 impl PreparedClaim {
-    fn new(statements: &Statements) -> Self {
+    fn new(statements: &InboxStatements) -> Self {
         let insert = statements
             .table_sql("INSERT INTO {t} (consumer, message_key, fingerprint) VALUES ($1, $2, $3)");
         let name = format!("idempotent_claim_{}", &hex(&Sha256::digest(&insert))[..16]);

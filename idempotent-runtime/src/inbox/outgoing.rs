@@ -1,6 +1,6 @@
 //! Outgoing messages: what a handler's body queues in its [`Outbox`], their ids, and the rows they
-//! become in the handler's transaction. Below the inbox (which writes a claim's outbox at its
-//! commit): it imports only the key, the errors and the store.
+//! become in the handler's transaction. Part of the inbox (which writes a claim's outbox at its
+//! commit), so that [`outbox`](crate::outbox), which re-exports these types, stands wholly above it.
 
 use sha2::{Digest, Sha256};
 

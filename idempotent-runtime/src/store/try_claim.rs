@@ -31,8 +31,7 @@
 
 use std::future::Future;
 
-use super::{Backend, CallId, Statements};
-use crate::calls::CallGate;
+use super::{Backend, CallGate, CallId, Statements};
 
 /// What a claim that does not wait found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -106,7 +105,7 @@ mod postgres {
         Attempt, CallGate, CallId, HttpBackend, Statements, sealed::ClaimWithoutWaiting,
         unless_pending,
     };
-    use crate::store::Queries;
+    use crate::store::{CallQueries, QueryBuilder};
 
     /// The lock is taken (once: the CTE is referenced twice, so it is materialized) and the key
     /// inserted only if it was; the row says which happened.
@@ -121,7 +120,7 @@ mod postgres {
         let mut digest = Sha256::new();
         digest.update(b"idempotent-http-claim");
         for part in [
-            statements.table_sql("{t}").as_bytes(),
+            statements.inbox.table_sql("{t}").as_bytes(),
             consumer.as_bytes(),
             key,
         ] {
@@ -147,15 +146,15 @@ mod postgres {
             fingerprint: &[u8],
             call: &str,
         ) -> Result<Attempt, sqlx::Error> {
-            let (taken, inserted): (bool, bool) =
-                sqlx::query_as(AssertSqlSafe(statements.table_sql(TRY_CLAIM)))
-                    .persistent(!statements.pooled)
-                    .bind(consumer)
-                    .bind(key)
-                    .bind(fingerprint)
-                    .bind(lock_of(statements, consumer, key))
-                    .fetch_one(&mut *conn)
-                    .await?;
+            let (taken, inserted): (bool, bool) = statements
+                .inbox
+                .query_as(AssertSqlSafe(statements.inbox.table_sql(TRY_CLAIM)))
+                .bind(consumer)
+                .bind(key)
+                .bind(fingerprint)
+                .bind(lock_of(statements, consumer, key))
+                .fetch_one(&mut *conn)
+                .await?;
             Ok(match (taken, inserted) {
                 (false, _) => Attempt::InFlight,
                 (true, false) => Attempt::Committed,
@@ -167,7 +166,7 @@ mod postgres {
                         key,
                         name: call,
                     };
-                    unless_pending(Self::call_pending(conn, statements, id).await?)
+                    unless_pending(Self::call_pending(conn, &statements.calls, id).await?)
                 }
             })
         }
@@ -178,15 +177,12 @@ mod postgres {
             key: &'g [u8],
         ) -> Option<CallGate<'g, Self>> {
             let lock = lock_of(statements, consumer, key);
-            let pooled = statements.pooled;
+            let query = statements
+                .calls
+                .query_scalar("SELECT pg_try_advisory_xact_lock($1)")
+                .bind(lock);
             Some(Box::new(move |conn: &mut PgConnection| {
-                Box::pin(async move {
-                    sqlx::query_scalar("SELECT pg_try_advisory_xact_lock($1)")
-                        .persistent(!pooled)
-                        .bind(lock)
-                        .fetch_one(conn)
-                        .await
-                })
+                Box::pin(query.fetch_one(conn))
             }))
         }
     }
@@ -201,7 +197,7 @@ mod sqlite {
         Attempt, CallGate, CallId, HttpBackend, Statements, sealed::ClaimWithoutWaiting,
         unless_pending,
     };
-    use crate::store::Queries;
+    use crate::store::{CallQueries, InboxQueries};
 
     impl HttpBackend for Sqlite {}
 
@@ -219,7 +215,7 @@ mod sqlite {
             // The transaction holds the write lock: nothing else can be claiming, or recording
             // a call.
             let inserted =
-                Self::insert_key(conn, statements, consumer, key, Some(fingerprint)).await?;
+                Self::insert_key(conn, &statements.inbox, consumer, key, Some(fingerprint)).await?;
             if !inserted {
                 return Ok(Attempt::Committed);
             }
@@ -229,7 +225,7 @@ mod sqlite {
                 name: call,
             };
             Ok(unless_pending(
-                Self::call_pending(conn, statements, id).await?,
+                Self::call_pending(conn, &statements.calls, id).await?,
             ))
         }
 

@@ -1,0 +1,60 @@
+//! How a claimed transaction ends: the error of every way a commit can end but committed.
+
+use serde::de::DeserializeOwned;
+
+use crate::error::{InboxError, Stage};
+use crate::key::MessageKey;
+use crate::session::Session;
+use crate::store::{Backend, Ending, Statements, database_error};
+use crate::transaction::InboxTransaction;
+
+/// Commits `tx`, or says why it did not: the error of every way a commit can end but committed.
+/// `claim` is the claim to look for when the body ended the transaction itself; without it, such a
+/// transaction counts as having committed its claims.
+pub(crate) async fn commit<DB: Backend>(
+    tx: InboxTransaction<DB>,
+    claim: Option<(&Statements, &str, &MessageKey)>,
+) -> Result<(), InboxError> {
+    Err(match tx.commit().await {
+        Ok((Ending::Committed, _)) => return Ok(()),
+        Ok((Ending::Aborted, _)) => InboxError::TransactionAborted,
+        Ok((
+            Ending::Replaced {
+                later_writes_refused,
+            },
+            session,
+        )) => ended_by_body(session, claim, later_writes_refused).await,
+        Ok((Ending::Refused(error), _)) | Err(error) => database_error(Stage::Commit)(error),
+    })
+}
+
+/// The error for a transaction the body ended (its own `COMMIT` or `ROLLBACK`, a statement that
+/// commits implicitly) before the inbox could end it, read on `session`: whether it took `claim`
+/// with it. Without a claim to look for, the transaction counts as having committed its claims.
+pub(super) async fn ended_by_body<DB: Backend>(
+    mut session: Session<DB>,
+    claim: Option<(&Statements, &str, &MessageKey)>,
+    later_writes_refused: bool,
+) -> InboxError {
+    let key_committed = match claim {
+        Some((statements, consumer, key)) => {
+            let row = session
+                .step(|conn| DB::stored(conn, &statements.inbox, consumer, key.as_bytes()))
+                .await;
+            // Unknown counts as committed: a redelivery is then at worst a duplicate.
+            row.map_or(true, |row| row.is_some())
+        }
+        None => true,
+    };
+    InboxError::TransactionEnded {
+        key_committed,
+        later_writes_refused,
+    }
+}
+
+/// Decodes a stored response.
+pub(crate) fn decode_response<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, InboxError> {
+    serde_json::from_slice(bytes).map_err(|error| InboxError::Response {
+        source: error.into(),
+    })
+}

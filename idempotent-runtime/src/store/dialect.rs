@@ -1,0 +1,96 @@
+//! How a database spells what the inbox's statements need, and the numbering of placeholders: what
+//! every table's statements are built from.
+
+/// How a database spells what the inbox's statements need.
+#[derive(Debug, Clone, Copy)]
+pub struct Dialect {
+    /// Quotes identifiers.
+    pub(crate) quote: char,
+    /// Placeholders are `?` (MySQL) rather than `$1`, `$2`, ….
+    pub(crate) question_marks: bool,
+    /// How "insert unless the primary key exists" begins, and what ends it.
+    pub(crate) insert_ignore: &'static str,
+    pub(crate) on_conflict: &'static str,
+    /// The value of `processed_at` for a new row.
+    pub(crate) processed_now: &'static str,
+    /// The database's clock, in milliseconds since the Unix epoch.
+    pub(crate) now_ms: &'static str,
+    /// The `processed_at` value of a time in milliseconds since the Unix epoch; `{}` is the
+    /// placeholder of the milliseconds.
+    pub(crate) time_of_ms: &'static str,
+    /// `processed_at` in milliseconds since the Unix epoch.
+    pub(crate) processed_ms: &'static str,
+    /// A name column read as text (MySQL stores names binary); `{}` is the column.
+    pub(crate) text_of: &'static str,
+    /// The type of a 64-bit integer in a `CAST`.
+    pub(crate) int: &'static str,
+    /// What ends `INSERT INTO <horizons> … VALUES …` so that a consumer's horizon only moves
+    /// forward; `{h}` is the quoted table.
+    pub(crate) upsert_horizon: &'static str,
+    /// `DELETE … ORDER BY … LIMIT` is allowed (MySQL), rather than a subquery on the key.
+    pub(crate) delete_limit: bool,
+    /// What the outbox's statements need besides (see [`OutboxDialect`]).
+    pub(crate) outbox: OutboxDialect,
+}
+
+impl Dialect {
+    /// `column` read as text (see [`text_of`](Self::text_of)).
+    pub(crate) fn text(&self, column: &str) -> String {
+        self.text_of.replace("{}", column)
+    }
+}
+
+/// What the outbox's statements need that the inbox's do not.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct OutboxDialect {
+    /// What ends a relay's read of the rows it takes, so that other relays skip them: `FOR
+    /// UPDATE SKIP LOCKED` (PostgreSQL, MySQL 8, MariaDB 10.6+), or nothing (SQLite, where the
+    /// relay's transaction holds the database's one write lock).
+    pub(crate) skip_locked: &'static str,
+    /// What ends `INSERT INTO <keys> (ordering_key, last_seq, updated_at) VALUES (…)` so that a
+    /// key already there counts one up instead; `{k}` is the quoted keys table, `{now}` the clock.
+    pub(crate) next_seq: &'static str,
+    /// The statement that wakes the relays listening on channel `{c}` when the transaction
+    /// commits (PostgreSQL's `NOTIFY`), if the database has one.
+    pub(crate) notify: Option<&'static str>,
+    /// A relay takes its rows with `UPDATE … RETURNING`, marking them sent in the statement that
+    /// locks them (PostgreSQL, SQLite: one write per row); failures are set back before the
+    /// commit. Otherwise (MySQL, MariaDB: no `UPDATE … RETURNING`) it locks them with a `SELECT`
+    /// and marks the confirmed ones afterwards.
+    pub(crate) mark_on_take: bool,
+}
+
+/// Numbers placeholders as the dialect wants them.
+pub(crate) struct Params {
+    question_marks: bool,
+    next: usize,
+}
+
+impl Params {
+    /// Starts numbering at the first placeholder.
+    pub(crate) fn new(dialect: &Dialect) -> Self {
+        Self {
+            question_marks: dialect.question_marks,
+            next: 0,
+        }
+    }
+
+    /// Returns the next placeholder.
+    pub(crate) fn next(&mut self) -> String {
+        self.next += 1;
+        if self.question_marks {
+            "?".to_owned()
+        } else {
+            format!("${}", self.next)
+        }
+    }
+
+    /// Returns `consumer = ? AND message_key = ?`, which picks one row of a key.
+    pub(crate) fn key(&mut self) -> String {
+        format!(
+            "consumer = {} AND message_key = {}",
+            self.next(),
+            self.next()
+        )
+    }
+}
