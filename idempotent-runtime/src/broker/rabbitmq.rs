@@ -98,10 +98,18 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
 
-use super::{
-    BatchBody, Batches, BeforeSettle, BrokerError, Delivery, Message, MessageId, Options, Outage,
-    Redelivered, RetryPolicy, Route, RunnerStats, Shutdown, Take, drive,
-};
+use super::Shutdown;
+use super::batch::{BatchBody, Batches};
+use super::delivery::Delivery;
+use super::drive::{DeliveriesAtOnce, drive};
+use super::error::BrokerError;
+use super::message::{Message, MessageId, Redelivered};
+use super::options::RunnerOptions;
+use super::outage::Outage;
+use super::retry::RetryPolicy;
+use super::route::Route;
+use super::settle::BeforeSettle;
+use super::stats::RunnerStats;
 use crate::error::Error;
 use crate::inbox::{Handled, Inbox};
 use crate::markers::DeliveryTag;
@@ -137,7 +145,7 @@ pub struct Runner {
     queue: String,
     dead_letter_queue: Option<String>,
     consumer_tag: String,
-    options: Options,
+    options: RunnerOptions,
 }
 
 impl fmt::Debug for Runner {
@@ -190,7 +198,7 @@ impl Runner {
             queue,
             dead_letter_queue: None,
             consumer_tag: String::new(),
-            options: Options::default(),
+            options: RunnerOptions::default(),
         }
     }
 
@@ -293,7 +301,7 @@ impl Runner {
     async fn consume<W, P, PF>(
         self,
         workers: Vec<W>,
-        take: Take,
+        take: DeliveriesAtOnce,
         process: P,
     ) -> Result<RunnerStats, BrokerError>
     where
