@@ -6,9 +6,9 @@ use std::time::Duration;
 
 use tokio::task::JoinSet;
 
-use super::Shutdown;
 use super::delivery::Delivery;
 use super::error::BrokerError;
+use tokio_util::sync::CancellationToken as Shutdown;
 
 /// How many deliveries a worker takes at once.
 #[derive(Debug, Clone, Copy)]

@@ -84,7 +84,6 @@ use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::{self, AckKind};
 use futures_util::StreamExt;
 
-use super::Shutdown;
 use super::batch::{BatchBody, Batches};
 use super::delivery::Delivery;
 use super::drive::{DeliveriesAtOnce, drive};
@@ -100,6 +99,7 @@ use crate::error::Error;
 use crate::inbox::{Handled, Inbox};
 use crate::markers::DeliveryTag;
 use crate::store::Backend;
+use tokio_util::sync::CancellationToken as Shutdown;
 
 /// The header that carries a dead letter's reason.
 pub const REASON_HEADER: &str = "Idempotent-Reason";

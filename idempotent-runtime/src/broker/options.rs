@@ -5,7 +5,6 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::Shutdown;
 use super::batch::{BatchBody, BatchWorker, Batches, in_batches};
 use super::delivery::Delivery;
 use super::drive::{DeliveriesAtOnce, WorkerFuture};
@@ -16,6 +15,7 @@ use super::settle::{BeforeSettle, Settler};
 use super::stats::{Counters, RunnerStats};
 use crate::error::Error;
 use crate::inbox::Handled;
+use tokio_util::sync::CancellationToken as Shutdown;
 
 /// What every runner is configured with, whatever its broker.
 pub(crate) struct RunnerOptions {

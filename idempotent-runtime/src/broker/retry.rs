@@ -73,54 +73,6 @@ impl RetryPolicy {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::broker::route::Route;
-
-    fn duration() -> impl proptest::strategy::Strategy<Value = Duration> {
-        use proptest::prelude::*;
-        prop_oneof![
-            (any::<u64>(), 0..1_000_000_000u32).prop_map(|(s, n)| Duration::new(s, n)),
-            (0..100_000u64).prop_map(Duration::from_millis),
-            Just(Duration::ZERO),
-            Just(Duration::MAX),
-        ]
-    }
-
-    fn multiplier() -> impl proptest::strategy::Strategy<Value = f64> {
-        use proptest::prelude::*;
-        prop_oneof![
-            any::<f64>(),
-            0.0..10.0f64,
-            Just(f64::NAN),
-            Just(f64::INFINITY),
-            Just(f64::NEG_INFINITY),
-        ]
-    }
-
-    proptest::proptest! {
-        /// Issue 21: `RetryPolicy::new(66, 1 s).max_delay(m)` panicked (the delay overflowed
-        /// before it was capped). No input panics; delays never shrink and never pass the longest.
-        #[test]
-        fn no_policy_panics_and_its_delays_never_shrink_nor_pass_the_longest(
-            attempts in proptest::prelude::any::<u32>(),
-            first in duration(),
-            longest in duration(),
-            multiplier in multiplier(),
-            attempt in proptest::prelude::any::<u32>(),
-        ) {
-            let policy = RetryPolicy::new(attempts, first).multiplier(multiplier).max_delay(longest);
-            let delay = policy.delay_after(attempt);
-            proptest::prop_assert!(delay <= longest);
-            if let Some(next) = attempt.checked_add(1) {
-                proptest::prop_assert!(delay <= policy.delay_after(next));
-            }
-            if multiplier >= 1.0 && multiplier.is_finite() && attempt <= 1 {
-                proptest::prop_assert_eq!(delay, first.min(longest));
-            }
-            let route = Route::failure(true, "oops", attempt, &policy);
-            let retried = matches!(route, Route::Retry { .. });
-            proptest::prop_assert_eq!(retried, attempt < policy.max_attempts);
-        }
-    }
 
     #[test]
     fn sixty_six_attempts_and_more_have_capped_delays() {

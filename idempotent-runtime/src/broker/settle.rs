@@ -4,7 +4,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::Shutdown;
 use super::backoff::Backoff;
 use super::delivery::Delivery;
 use super::error::ErrorChain;
@@ -12,6 +11,7 @@ use super::message::Message;
 use super::retry::RetryPolicy;
 use super::route::Route;
 use super::stats::Counters;
+use tokio_util::sync::CancellationToken as Shutdown;
 
 /// Called with each delivery's message and route once the outcome is known, before the runner
 /// settles the delivery; see the runners' `before_settle`.
