@@ -23,8 +23,8 @@ use tracing::Instrument;
 
 use super::HttpBackend;
 use super::body::{Buffered, buffer};
+use super::config::{Config, Mode, Shared};
 use super::extract::{RequestKey, Slot};
-use super::layer::{Config, Mode, Shared};
 use super::problem::Rejection;
 use super::request_key::{read_key, scoped_key};
 use super::stored::{KEY_EXPIRES, StoredResponse};
