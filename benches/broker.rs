@@ -4,7 +4,7 @@
 //! alternate).
 //!
 //! ```text
-//! cargo run --release --example bench_broker --features rabbitmq,nats,postgres -- --rounds 5
+//! cargo bench --bench broker --features rabbitmq,nats,postgres -- --rounds 5
 //! ```
 //! (`IDEMPOTENT_PG_URL`, `IDEMPOTENT_AMQP_URL`, `IDEMPOTENT_NATS_URL`: `scripts/postgres start`,
 //! `scripts/rabbitmq start` and `scripts/nats start` print them.)
@@ -545,6 +545,11 @@ fn arg(name: &str, default: usize) -> usize {
 
 #[tokio::main]
 async fn main() {
+    // `cargo bench` passes `--bench`; `cargo test --all-targets` runs a benchmark without it, and
+    // then it measures nothing.
+    if !std::env::args().any(|arg| arg == "--bench") {
+        return;
+    }
     let count = arg("--messages", 3000);
     let rounds = arg("--rounds", 3).max(1);
     let url = std::env::var("IDEMPOTENT_PG_URL").expect("IDEMPOTENT_PG_URL");
