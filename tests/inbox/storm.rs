@@ -5,9 +5,10 @@
 //! every one of its connections: none was stranded in an unknown state.
 //!
 //! CI runs a short storm; `IDEMPOTENT_STORM_MESSAGES=2000 cargo test --release --all-features
-//! --test storm` is the long one (the README's figures).
+//! --test inbox_storm` is the long one (the README's figures).
 #![cfg(all(feature = "postgres", feature = "sqlite", feature = "mysql"))]
 
+#[path = "../support/mod.rs"]
 mod support;
 
 use std::sync::{Arc, Mutex};

@@ -1,4 +1,4 @@
-//! The app `tests/http.rs` runs: its routes and handlers on each backend, a server on a runtime of
+//! The app `tests/http/http.rs` runs: its routes and handlers on each backend, a server on a runtime of
 //! its own (so that a test can kill it), a client, and the database's counts.
 
 use std::collections::HashMap;

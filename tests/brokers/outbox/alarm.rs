@@ -82,7 +82,7 @@ async fn rabbitmq_memory_alarm_holds_the_relay_until_it_clears_without_losing_or
 /// The README's figure: a memory alarm of 15 s over a relay with 1,000 rows to publish, with the
 /// default `publish_timeout` (10 s) and with 2 s; prints the duplicates the queue got and how
 /// long after the alarm cleared the last row was sent. A measurement, run by hand:
-/// `cargo test --all-features --test outbox_brokers -- --ignored --nocapture alarm_of_15_s`.
+/// `cargo test --all-features --test outbox_publishers -- --ignored --nocapture alarm_of_15_s`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "a measurement of about 40 s, for the README"]
 async fn rabbitmq_memory_alarm_of_15_s_duplicates_measured() {

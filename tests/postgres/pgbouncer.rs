@@ -15,7 +15,9 @@
 //! (`.persistent(false)`) inside a transaction with any settings.
 #![cfg(feature = "postgres")]
 
+#[path = "../conformance/mod.rs"]
 mod conformance;
+#[path = "../support/mod.rs"]
 mod support;
 
 use std::time::Duration;

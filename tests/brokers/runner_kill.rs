@@ -4,12 +4,12 @@
 //! retried and every redelivery after a kill is a detected duplicate, and nothing is left behind.
 #![cfg(all(feature = "sqlite", feature = "rabbitmq", feature = "nats"))]
 
-mod runner;
+mod support;
 
 use std::process::Stdio;
 use std::time::Duration;
 
-use runner::example;
+use support::example;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::Command;
 

@@ -2,7 +2,9 @@
 //! users' unit tests.
 #![cfg(feature = "sqlite")]
 
+#[path = "../conformance/mod.rs"]
 mod conformance;
+#[path = "../support/mod.rs"]
 mod support;
 
 use conformance::conformance_tests;

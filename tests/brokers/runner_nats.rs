@@ -4,11 +4,11 @@
 //! on one consumer; and why JetStream's own duplicate detection does not replace the inbox. Also:
 //! consumers without explicit acks refused at start, a dead-letter subject no stream captures
 //! (at start, and once its stream is deleted while the runner runs), a handler's own `Retryable`
-//! error. (A server restart is in `tests/broker_weather.rs`.) (A
-//! consumer SIGKILLed between its commit and its acknowledgement is in `tests/nats.rs`.)
+//! error. (A server restart is in `tests/brokers/runner_weather.rs`.) (A
+//! consumer SIGKILLed between its commit and its acknowledgement is in `tests/brokers/runner_kill.rs`.)
 #![cfg(all(feature = "nats", feature = "sqlite"))]
 
-mod runner;
+mod support;
 
 use std::time::{Duration, Instant};
 
@@ -17,8 +17,8 @@ use idempotent::broker::nats::Runner;
 use idempotent::broker::nats::async_nats;
 use idempotent::broker::nats::async_nats::jetstream::{self, consumer, stream};
 use idempotent::broker::{Batches, BeforeSettle, BrokerError, MessageId, RetryPolicy, Shutdown};
-use runner::jetstream::{dead_letters, nats_url, publish, setup, start, stored, unfinished};
-use runner::{Incoming, Kind, Shop, eventually};
+use support::jetstream::{dead_letters, nats_url, publish, setup, start, stored, unfinished};
+use support::{Incoming, Kind, Shop, eventually};
 
 /// Runs a runner in the background until `done` holds, then shuts it down.
 async fn run_until(
@@ -231,7 +231,7 @@ async fn jetstream_deduplicates_publications_not_redeliveries() {
 }
 
 async fn shop_handle(shop: &Shop, incoming: Incoming) -> idempotent::Handled<()> {
-    runner::on_order(&shop.inbox, &incoming).await.unwrap()
+    support::on_order(&shop.inbox, &incoming).await.unwrap()
 }
 
 /// Batch mode: one transaction per batch, each delivery settled by its own outcome. A poison

@@ -9,6 +9,7 @@
 #![cfg(all(feature = "http", feature = "postgres", feature = "sqlite"))]
 
 mod http_app;
+#[path = "../support/mod.rs"]
 mod support;
 
 use std::time::{Duration, Instant};

@@ -4,6 +4,7 @@
 //! cancellation and handlers that always fail are in the conformance suite, on every backend.)
 #![cfg(all(feature = "postgres", feature = "sqlite"))]
 
+#[path = "../support/mod.rs"]
 mod support;
 
 use std::sync::Mutex;

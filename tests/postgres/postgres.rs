@@ -2,7 +2,9 @@
 //! claim in a statement of its own (the default), and sent together with its `BEGIN`.
 #![cfg(feature = "postgres")]
 
+#[path = "../conformance/mod.rs"]
 mod conformance;
+#[path = "../support/mod.rs"]
 mod support;
 
 use conformance::conformance_tests;

@@ -1,7 +1,9 @@
 //! The conformance suite on MySQL or MariaDB (`IDEMPOTENT_MYSQL_URL`), a fresh database per test.
 #![cfg(feature = "mysql")]
 
+#[path = "../conformance/mod.rs"]
 mod conformance;
+#[path = "../support/mod.rs"]
 mod support;
 
 use conformance::conformance_tests;

@@ -5,6 +5,7 @@
 //! once in each tenant, each tenant's effects and rows in its own tables, none in the shared ones.
 #![cfg(all(feature = "postgres", feature = "mysql"))]
 
+#[path = "../support/mod.rs"]
 mod support;
 
 use idempotent::outbox::{Destination, OutgoingMessage};

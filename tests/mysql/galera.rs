@@ -10,7 +10,9 @@
 //! committed, and the retry finds the key: a duplicate.
 #![cfg(feature = "mysql")]
 
+#[path = "../conformance/mod.rs"]
 mod conformance;
+#[path = "../support/mod.rs"]
 mod support;
 
 use std::collections::BTreeMap;

@@ -4,6 +4,7 @@
 //! relay counts what it published, retried and parked, its backlog and each message's delay.
 #![cfg(feature = "sqlite")]
 
+#[path = "../support/mod.rs"]
 mod support;
 
 use std::time::{Duration, SystemTime};

@@ -4,6 +4,7 @@
 //! purger) releases the lock: the next purge, in any instance, goes ahead.
 #![cfg(all(feature = "postgres", feature = "mysql"))]
 
+#[path = "../support/mod.rs"]
 mod support;
 
 use std::time::Duration;

@@ -7,6 +7,7 @@
 //! of its own.
 #![cfg(all(feature = "sqlite", target_os = "linux"))]
 
+#[path = "../support/mod.rs"]
 mod support;
 
 use std::time::Duration;

@@ -1,5 +1,5 @@
 //! What RabbitMQ does with delivery tags (`IDEMPOTENT_AMQP_URL`, started by `scripts/test`). A
-//! consumer SIGKILLed after its commit but before its acknowledgement is in `tests/broker_kill.rs`.
+//! consumer SIGKILLed after its commit but before its acknowledgement is in `tests/brokers/runner_kill.rs`.
 #![cfg(feature = "sqlite")]
 
 use futures::StreamExt;

@@ -3,11 +3,11 @@
 //! shutdown with deliveries in flight, many workers on one queue; a deleted queue, a dead-letter
 //! queue refused at start or deleted while the runner runs, a handler's own `Retryable` error,
 //! attempts that count the runner's own retries only, a policy of a hundred attempts. (Broker
-//! restarts and a memory alarm are in `tests/broker_weather.rs`.) (A consumer SIGKILLed between
-//! its commit and its acknowledgement is in `tests/rabbitmq.rs`, on the runner too.)
+//! restarts and a memory alarm are in `tests/brokers/runner_weather.rs`.) (A consumer SIGKILLed between
+//! its commit and its acknowledgement is in `tests/brokers/runner_kill.rs`, on the runner too.)
 #![cfg(all(feature = "rabbitmq", feature = "sqlite"))]
 
-mod runner;
+mod support;
 
 use std::time::{Duration, Instant};
 
@@ -16,8 +16,8 @@ use idempotent::broker::{Batches, BeforeSettle, BrokerError, RetryPolicy, Shutdo
 use lapin::options::{BasicGetOptions, BasicPublishOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Connection, ConnectionProperties};
-use runner::amqp::{amqp_url, dead_letters, depth, publish, queue, start};
-use runner::{Kind, Order, Shop, eventually};
+use support::amqp::{amqp_url, dead_letters, depth, publish, queue, start};
+use support::{Kind, Order, Shop, eventually};
 
 /// Runs the runner in the background until `done` holds, then shuts it down.
 async fn run_until(

@@ -6,14 +6,14 @@
 //! made from a channel, which cannot reconnect.
 #![cfg(all(feature = "rabbitmq", feature = "nats", feature = "sqlite"))]
 
-mod runner;
+mod support;
 
 use std::time::Duration;
 
 use idempotent::broker::RetryPolicy;
 use idempotent::broker::nats::async_nats::jetstream::stream;
 use lapin::{Connection, ConnectionProperties};
-use runner::{Kind, Shop, broker_ctl, broker_ctl_with, eventually};
+use support::{Kind, Shop, broker_ctl, broker_ctl_with, eventually};
 
 /// One case at a time: each restarts a broker, or blocks it.
 static ALONE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -58,7 +58,7 @@ fn reconnects_recorded(broker: &str, source: &str) -> u64 {
 mod rabbitmq {
     use super::*;
     use idempotent::broker::rabbitmq::Runner;
-    use runner::amqp::{amqp_url, depth, publish, queue, start};
+    use support::amqp::{amqp_url, depth, publish, queue, start};
 
     /// Issue 21: the RabbitMQ runner ended about 2 s after a broker restart. It reconnects by itself: every
     /// message published before, during and after the restart is processed exactly once, and the
@@ -192,7 +192,7 @@ mod rabbitmq {
 mod nats {
     use super::*;
     use idempotent::broker::nats::Runner;
-    use runner::jetstream::{publish, setup, start, unfinished};
+    use support::jetstream::{publish, setup, start, unfinished};
 
     /// Issue 21: the NATS runner ended about 11 s after a server restart (an acknowledgement
     /// timed out). It carries on: every message published before and after the restart is
@@ -298,7 +298,7 @@ mod examples {
 
     impl Example {
         fn command(&self, program: &str, database: &str) -> Command {
-            let mut command = Command::new(runner::example(program));
+            let mut command = Command::new(support::example(program));
             command
                 .args(&self.destination)
                 .env(self.url.0, &self.url.1)
