@@ -1,13 +1,31 @@
 //! Misuse of `#[idempotent]` is a compile error with a clear message: one case per mistake under
-//! `tests/ui/`, each with the `.stderr` the compiler must print; and the forms that must compile
-//! under `tests/ui/pass/`. Regenerate with `TRYBUILD=overwrite cargo test --all-features --test ui`
-//! and read every diff. The compiler lists the connection types the enabled features implement, so
-//! the snapshots are those of the README's test command, which enables every feature.
+//! `tests/ui/<topic>/` (the folders of [`TOPICS`]), each with the `.stderr` the compiler must
+//! print; and the forms that must compile under `tests/ui/pass/`. Regenerate with
+//! `TRYBUILD=overwrite cargo test --all-features --test ui` and read every diff. The compiler lists
+//! the connection types the enabled features implement, so the snapshots are those of the README's
+//! test command, which enables every feature.
 #![cfg(all(feature = "postgres", feature = "sqlite", feature = "mysql"))]
+
+/// The folders of the cases that must not compile, by what the mistake is about: the attribute's
+/// arguments, the request fingerprint, the key, the lifecycle, the outbox, `sent_at`, the
+/// function's signature, `store_response`. A new folder goes in this list.
+const TOPICS: [&str; 8] = [
+    "arguments",
+    "fingerprint",
+    "keys",
+    "lifecycle",
+    "outbox",
+    "sent-at",
+    "signature",
+    "store-response",
+];
 
 #[test]
 fn misuse_is_a_compile_error() {
-    trybuild::TestCases::new().compile_fail("tests/ui/*.rs");
+    let cases = trybuild::TestCases::new();
+    for topic in TOPICS {
+        cases.compile_fail(format!("tests/ui/{topic}/*.rs"));
+    }
 }
 
 #[test]

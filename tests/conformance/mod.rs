@@ -457,7 +457,7 @@ macro_rules! conformance_tests {
         conformance_tests!(@cases $new; worker_inbox_keeps_its_connection_between_messages);
     };
     // Galera: the outbox's row locks are one node's, so the cases that need two inboxes to meet in
-    // a lock run with both on one node (`@shared_locks`), and tests/galera.rs says what happens
+    // a lock run with both on one node (`@shared_locks`), and tests/mysql/galera.rs says what happens
     // across nodes.
     (@galera $new:expr) => {
         conformance_tests!(@unshared_locks $new);

@@ -1,7 +1,7 @@
 //! The transactional outbox on every backend: outgoing rows commit with the handler's effect or not
 //! at all, with ids that a rerun reproduces; relays never publish one row at once, keep each
 //! ordering key in commit order, park what the broker keeps refusing, and the purge keeps what it
-//! must. The broker here is a recording [`Publisher`]; `tests/outbox_brokers/` runs the real ones.
+//! must. The broker here is a recording [`Publisher`]; `tests/brokers/outbox/` runs the real ones.
 
 use std::collections::{HashMap, HashSet};
 use std::panic::AssertUnwindSafe;

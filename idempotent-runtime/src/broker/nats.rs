@@ -84,14 +84,22 @@ use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::{self, AckKind};
 use futures_util::StreamExt;
 
-use super::{
-    BatchBody, Batches, BeforeSettle, BrokerError, Delivery, Message, MessageId, Options, Outage,
-    Redelivered, RetryPolicy, Route, RunnerStats, Shutdown, StreamSequence, Take, drive,
-};
+use super::batch::{BatchBody, Batches};
+use super::delivery::Delivery;
+use super::drive::{DeliveriesAtOnce, drive};
+use super::error::BrokerError;
+use super::message::{Message, MessageId, Redelivered, StreamSequence};
+use super::options::RunnerOptions;
+use super::outage::Outage;
+use super::retry::RetryPolicy;
+use super::route::Route;
+use super::settle::BeforeSettle;
+use super::stats::RunnerStats;
 use crate::error::Error;
 use crate::inbox::{Handled, Inbox};
 use crate::markers::DeliveryTag;
 use crate::store::Backend;
+use tokio_util::sync::CancellationToken as Shutdown;
 
 /// The header that carries a dead letter's reason.
 pub const REASON_HEADER: &str = "Idempotent-Reason";
@@ -106,7 +114,7 @@ pub struct Runner {
     jetstream: jetstream::Context,
     consumer: PullConsumer,
     dead_letters: String,
-    options: Options,
+    options: RunnerOptions,
 }
 
 impl fmt::Debug for Runner {
@@ -131,7 +139,7 @@ impl Runner {
             jetstream,
             consumer,
             dead_letters: dead_letters.into(),
-            options: Options::default(),
+            options: RunnerOptions::default(),
         }
     }
 
@@ -219,7 +227,7 @@ impl Runner {
     async fn consume<W, P, PF>(
         self,
         workers: Vec<W>,
-        take: Take,
+        take: DeliveriesAtOnce,
         process: P,
     ) -> Result<RunnerStats, BrokerError>
     where

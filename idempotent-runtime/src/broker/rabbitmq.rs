@@ -83,68 +83,56 @@ pub use lapin;
 mod publisher;
 pub use publisher::OutboxPublisher;
 
-use std::collections::BTreeSet;
+mod consumer;
+mod delay_queues;
+mod delivery;
+mod headers;
+
+pub use consumer::Connector;
+pub use headers::{ATTEMPT_HEADER, ATTEMPTS_HEADER, QUEUE_HEADER, REASON_HEADER};
+
 use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures_util::StreamExt;
-use futures_util::future::BoxFuture;
-use lapin::options::{
-    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions,
-    BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions, QueueDeclareOptions,
-};
-use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
-use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
+use lapin::{Channel, Connection, ConnectionProperties};
+use tokio_util::sync::CancellationToken as Shutdown;
 
-use super::{
-    BatchBody, Batches, BeforeSettle, BrokerError, Delivery, Message, MessageId, Options, Outage,
-    Redelivered, RetryPolicy, Route, RunnerStats, Shutdown, Take, drive,
-};
+use self::consumer::{ChannelSource, ReconnectingConsumer};
+use self::delay_queues::{retry_delays, retry_queue};
+use self::delivery::{AmqpDelivery, RunnerSetup};
+use crate::broker::batch::{BatchBody, Batches};
+use crate::broker::drive::{DeliveriesAtOnce, drive};
+use crate::broker::error::BrokerError;
+use crate::broker::message::Message;
+use crate::broker::options::RunnerOptions;
+use crate::broker::outage::Outage;
+use crate::broker::retry::RetryPolicy;
+use crate::broker::settle::BeforeSettle;
+use crate::broker::stats::RunnerStats;
 use crate::error::Error;
 use crate::inbox::{Handled, Inbox};
-use crate::markers::DeliveryTag;
 use crate::store::Backend;
-
-/// The header that carries a retried delivery's attempt number, for people to read (the runner
-/// counts attempts from RabbitMQ's own `x-death` entries; see the [module docs](self)).
-pub const ATTEMPT_HEADER: &str = "x-idempotent-attempt";
-/// The header that carries a dead letter's reason.
-pub const REASON_HEADER: &str = "x-idempotent-reason";
-/// The header that carries the number of attempts a dead letter had.
-pub const ATTEMPTS_HEADER: &str = "x-idempotent-attempts";
-/// The header that names the queue a dead letter came from.
-pub const QUEUE_HEADER: &str = "x-idempotent-queue";
-
-/// Makes a connection to the broker, for a runner that reconnects by itself; see
-/// [`Runner::with_connector`].
-pub type Connector =
-    Arc<dyn Fn() -> BoxFuture<'static, Result<Connection, lapin::Error>> + Send + Sync>;
-
-/// Where a runner's channels come from.
-enum Source {
-    /// A channel the user made: used once, no reconnecting.
-    Channel(Option<Channel>),
-    /// New connections, as many as it takes.
-    Connector(Connector),
-}
 
 /// Consumes one queue and settles each delivery by its handler's outcome; see the
 /// [module docs](self).
 pub struct Runner {
-    source: Source,
+    source: ChannelSource,
     queue: String,
     dead_letter_queue: Option<String>,
     consumer_tag: String,
-    options: Options,
+    options: RunnerOptions,
 }
 
 impl fmt::Debug for Runner {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Runner")
             .field("queue", &self.queue)
-            .field("reconnects", &matches!(self.source, Source::Connector(_)))
+            .field(
+                "reconnects",
+                &matches!(self.source, ChannelSource::Connector(_)),
+            )
             .field("workers", &self.options.workers)
             .field("retry", &self.options.retry)
             .finish_non_exhaustive()
@@ -174,7 +162,7 @@ impl Runner {
         Fut: Future<Output = Result<Connection, lapin::Error>> + Send + 'static,
     {
         let connector: Connector = Arc::new(move || Box::pin(connect()));
-        Self::from_source(Source::Connector(connector), queue.into())
+        Self::from_source(ChannelSource::Connector(connector), queue.into())
     }
 
     /// Creates a runner consuming `queue` on `channel`, with one worker, the default
@@ -182,16 +170,16 @@ impl Runner {
     /// reconnect: when the channel is lost it returns [`BrokerError::Broker`]. Prefer
     /// [`connect`](Self::connect).
     pub fn new(channel: Channel, queue: impl Into<String>) -> Self {
-        Self::from_source(Source::Channel(Some(channel)), queue.into())
+        Self::from_source(ChannelSource::Channel(Some(channel)), queue.into())
     }
 
-    fn from_source(source: Source, queue: String) -> Self {
+    fn from_source(source: ChannelSource, queue: String) -> Self {
         Self {
             source,
             queue,
             dead_letter_queue: None,
             consumer_tag: String::new(),
-            options: Options::default(),
+            options: RunnerOptions::default(),
         }
     }
 
@@ -295,7 +283,7 @@ impl Runner {
     async fn consume<W, P, PF>(
         self,
         workers: Vec<W>,
-        take: Take,
+        take: DeliveriesAtOnce,
         process: P,
     ) -> Result<RunnerStats, BrokerError>
     where
@@ -305,7 +293,7 @@ impl Runner {
     {
         let retry = self.options.retry;
         let delays = retry_delays(&retry);
-        let setup = Arc::new(Setup {
+        let setup = Arc::new(RunnerSetup {
             queue: self.queue.clone(),
             retry_queues: delays
                 .iter()
@@ -316,19 +304,15 @@ impl Runner {
             prefetch: (self.options.workers * take.most).min(u16::MAX as usize) as u16,
             publish_timeout: self.options.publish_timeout,
         });
-        let mut feed = Feed {
-            source: self.source,
-            setup,
-            session: None,
-            outage: Outage::new(
-                "rabbitmq",
-                self.queue.clone(),
-                Some(self.options.counters.clone()),
-            ),
-        };
-        let deliveries = futures_util::stream::unfold(&mut feed, |feed| async move {
-            let next = feed.next().await;
-            Some((next, feed))
+        let outage = Outage::new(
+            "rabbitmq",
+            self.queue.clone(),
+            Some(self.options.counters.clone()),
+        );
+        let mut consumer = ReconnectingConsumer::new(self.source, setup, outage);
+        let deliveries = futures_util::stream::unfold(&mut consumer, |consumer| async move {
+            let next = consumer.next().await;
+            Some((next, consumer))
         });
         let driven = drive(
             deliveries,
@@ -342,561 +326,8 @@ impl Runner {
         // a broker that does not answer (a blocked connection) is not waited for past the publish
         // timeout: what it holds unacknowledged it delivers again.
         let publish_timeout = self.options.publish_timeout;
-        let _ = tokio::time::timeout(publish_timeout, feed.close()).await;
+        let _ = tokio::time::timeout(publish_timeout, consumer.close()).await;
         driven?;
         Ok(self.options.counters.snapshot())
-    }
-}
-
-impl Feed {
-    /// Cancels the consumer, and hands back the deliveries received but not started.
-    async fn close(&mut self) {
-        if let Some(mut session) = self.session.take() {
-            let tag = session.consumer.tag();
-            let cancelled = session
-                .channel
-                .basic_cancel(tag, BasicCancelOptions::default())
-                .await;
-            if cancelled.is_ok() {
-                while let Ok(Some(Ok(delivery))) =
-                    tokio::time::timeout(Duration::from_millis(100), session.consumer.next()).await
-                {
-                    let _ = delivery
-                        .nack(BasicNackOptions {
-                            requeue: true,
-                            ..BasicNackOptions::default()
-                        })
-                        .await;
-                }
-            }
-        }
-    }
-}
-
-/// The delays of a policy's retries, one delay queue each: at most 100, the last of them the
-/// longest (a later retry goes to the longest queue not longer than its delay).
-fn retry_delays(policy: &RetryPolicy) -> BTreeSet<Duration> {
-    let mut delays = BTreeSet::new();
-    for attempt in 1..policy.max_attempts {
-        let delay = policy.delay_after(attempt);
-        delays.insert(delay);
-        if delay >= policy.max_delay || delays.len() >= 100 {
-            break;
-        }
-    }
-    delays
-}
-
-/// The delay queue of `queue`'s retries after `delay`.
-fn retry_queue(queue: &str, delay: Duration) -> String {
-    format!("{queue}.retry.{}ms", delay.as_millis())
-}
-
-/// Whether `name` is one of `queue`'s delay queues (`<queue>.retry.<n>ms`).
-fn is_retry_queue(queue: &str, name: &[u8]) -> bool {
-    name.strip_prefix(queue.as_bytes())
-        .and_then(|rest| rest.strip_prefix(b".retry."))
-        .and_then(|rest| rest.strip_suffix(b"ms"))
-        .is_some_and(|digits| !digits.is_empty() && digits.iter().all(u8::is_ascii_digit))
-}
-
-/// What a runner sets up on each connection, and what its deliveries need to settle.
-struct Setup {
-    queue: String,
-    retry_queues: Vec<(Duration, String)>,
-    dead_letters: String,
-    consumer_tag: String,
-    prefetch: u16,
-    publish_timeout: Duration,
-}
-
-/// A connection's channel and the runner's consumer on it.
-struct Session {
-    /// The connection the runner made, if it did.
-    connection: Option<Connection>,
-    channel: Channel,
-    consumer: lapin::Consumer,
-    context: Arc<Context>,
-}
-
-/// Why a session could not be opened.
-enum OpenError {
-    /// The broker is away (or the connection broke): try again after a back-off.
-    Lost(lapin::Error),
-    /// The broker refused the runner's setup, or there is no way to reconnect: the runner stops.
-    Fatal(BrokerError),
-}
-
-/// The runner's deliveries, from one session after another.
-struct Feed {
-    source: Source,
-    setup: Arc<Setup>,
-    session: Option<Session>,
-    outage: Outage,
-}
-
-impl Feed {
-    /// The next delivery, reconnecting as long as it takes; an error only when the runner cannot
-    /// go on.
-    async fn next(&mut self) -> Result<AmqpDelivery, BrokerError> {
-        loop {
-            let session = match self.session.as_mut() {
-                Some(session) => session,
-                None => match self.open().await {
-                    Ok(session) => {
-                        self.outage.restored();
-                        self.session.insert(session)
-                    }
-                    Err(OpenError::Fatal(error)) => return Err(error),
-                    Err(OpenError::Lost(error)) => {
-                        let after = self.outage.failed(&error);
-                        tokio::time::sleep(after).await;
-                        continue;
-                    }
-                },
-            };
-            match session.consumer.next().await {
-                Some(Ok(delivery)) => {
-                    return Ok(AmqpDelivery {
-                        delivery,
-                        context: session.context.clone(),
-                    });
-                }
-                Some(Err(error)) => {
-                    self.session = None;
-                    let after = self.outage.failed(&error);
-                    tokio::time::sleep(after).await;
-                }
-                None => {
-                    // The consumer ended without an error: the broker cancelled it, which it
-                    // does when its queue is deleted, or the connection went away.
-                    let session = self.session.take().expect("a session");
-                    if let Some(error) = self.cancelled(&session).await {
-                        return Err(error);
-                    }
-                    if let Source::Channel(slot) = &mut self.source {
-                        // Consumed again on the same channel, if it is still open.
-                        *slot = Some(session.channel.clone());
-                    }
-                    // Not at once: a broker that cancels again and again is not asked in a loop.
-                    let ended = std::io::Error::other("the broker ended the runner's consumer");
-                    let after = self.outage.failed(&ended);
-                    tokio::time::sleep(after).await;
-                }
-            }
-        }
-    }
-
-    /// Why `session`'s consumer ended: [`BrokerError::Cancelled`] when its queue is gone.
-    async fn cancelled(&self, session: &Session) -> Option<BrokerError> {
-        let queue = self.setup.queue.as_str();
-        let probe = async {
-            // On a channel of its own where it can: a missing queue closes the channel it is
-            // asked on.
-            let channel = match &session.connection {
-                Some(connection) => connection.create_channel().await?,
-                None => session.channel.clone(),
-            };
-            let declared = channel
-                .queue_declare(
-                    queue.into(),
-                    QueueDeclareOptions {
-                        passive: true,
-                        ..QueueDeclareOptions::default()
-                    },
-                    FieldTable::default(),
-                )
-                .await;
-            if declared.is_ok() && session.connection.is_some() {
-                let _ = channel.close(200, "".into()).await;
-            }
-            declared
-        };
-        match tokio::time::timeout(self.setup.publish_timeout, probe).await {
-            Ok(Err(error)) if soft(&error) => {
-                tracing::warn!(queue, %error, "the broker cancelled the runner's consumer");
-                Some(BrokerError::Cancelled {
-                    source_name: queue.to_owned(),
-                })
-            }
-            _ => {
-                tracing::warn!(
-                    queue,
-                    "the runner's consumer ended while its queue is there; consuming again"
-                );
-                None
-            }
-        }
-    }
-
-    /// A channel (a new connection's, where the runner can make one) set up for the runner, and
-    /// its consumer.
-    async fn open(&mut self) -> Result<Session, OpenError> {
-        let (connection, channel) = match &mut self.source {
-            Source::Channel(channel) => match channel.take() {
-                Some(channel) => (None, channel),
-                None => {
-                    return Err(OpenError::Fatal(BrokerError::Broker(
-                        "the runner's channel was lost, and a runner made from a channel cannot \
-                         reconnect (make it with Runner::connect)"
-                            .into(),
-                    )));
-                }
-            },
-            Source::Connector(connect) => {
-                let connection = connect().await.map_err(OpenError::Lost)?;
-                let channel = connection.create_channel().await.map_err(OpenError::Lost)?;
-                (Some(connection), channel)
-            }
-        };
-        let setup = &self.setup;
-        let classify = |error: lapin::Error| {
-            if soft(&error) {
-                OpenError::Fatal(BrokerError::broker(error))
-            } else {
-                OpenError::Lost(error)
-            }
-        };
-        channel
-            .confirm_select(ConfirmSelectOptions::default())
-            .await
-            .map_err(classify)?;
-        channel
-            .basic_qos(setup.prefetch, BasicQosOptions::default())
-            .await
-            .map_err(classify)?;
-        for (delay, queue) in &setup.retry_queues {
-            let mut arguments = FieldTable::default();
-            arguments.insert(
-                "x-message-ttl".into(),
-                AMQPValue::LongLongInt(delay.as_millis().min(i64::MAX as u128) as i64),
-            );
-            arguments.insert(
-                "x-dead-letter-exchange".into(),
-                AMQPValue::LongString("".into()),
-            );
-            arguments.insert(
-                "x-dead-letter-routing-key".into(),
-                AMQPValue::LongString(setup.queue.as_str().into()),
-            );
-            declare(&channel, queue, arguments)
-                .await
-                .map_err(classify)?;
-        }
-        declare(&channel, &setup.dead_letters, FieldTable::default())
-            .await
-            .map_err(|error| {
-                if soft(&error) {
-                    OpenError::Fatal(BrokerError::DeadLetterTarget {
-                        target: setup.dead_letters.clone(),
-                        reason: format!("the broker refused to declare the queue: {error}"),
-                    })
-                } else {
-                    OpenError::Lost(error)
-                }
-            })?;
-        let consumer = channel
-            .basic_consume(
-                setup.queue.as_str().into(),
-                setup.consumer_tag.as_str().into(),
-                BasicConsumeOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-            .map_err(classify)?;
-        let context = Arc::new(Context {
-            channel: channel.clone(),
-            setup: setup.clone(),
-        });
-        Ok(Session {
-            connection,
-            channel,
-            consumer,
-            context,
-        })
-    }
-}
-
-/// Whether `error` is the broker's refusal of what the runner asked (a channel-level error: a
-/// missing queue, a queue declared with other arguments, one held exclusively elsewhere), as
-/// opposed to a lost connection.
-fn soft(error: &lapin::Error) -> bool {
-    matches!(
-        error.kind(),
-        lapin::ErrorKind::ProtocolError(amqp)
-            if matches!(amqp.kind(), lapin::protocol::AMQPErrorKind::Soft(_))
-    )
-}
-
-/// Declares a durable queue with `arguments`.
-async fn declare(
-    channel: &Channel,
-    queue: &str,
-    arguments: FieldTable,
-) -> Result<(), lapin::Error> {
-    channel
-        .queue_declare(queue.into(), QueueDeclareOptions::durable(), arguments)
-        .await
-        .map(drop)
-}
-
-/// What every delivery of one session needs to settle.
-struct Context {
-    channel: Channel,
-    setup: Arc<Setup>,
-}
-
-struct AmqpDelivery {
-    delivery: lapin::message::Delivery,
-    context: Arc<Context>,
-}
-
-/// The headers RabbitMQ writes when it dead-letters a message (here: when a retry expires in a
-/// delay queue); a dead letter goes without them, so that it starts again when moved back.
-const DEATH_HEADERS: [&str; 7] = [
-    "x-death",
-    "x-first-death-queue",
-    "x-first-death-reason",
-    "x-first-death-exchange",
-    "x-last-death-queue",
-    "x-last-death-reason",
-    "x-last-death-exchange",
-];
-
-impl AmqpDelivery {
-    /// Publishes a copy of the message to `queue` (mandatory: an unroutable copy is an error) with
-    /// `headers` added and `remove` removed, persistent, and waits at most the publish timeout for
-    /// the broker's confirmation.
-    async fn republish(
-        &self,
-        queue: &str,
-        headers: Vec<(&str, AMQPValue)>,
-        remove: &[&str],
-        what: &'static str,
-    ) -> Result<(), BrokerError> {
-        let properties = &self.delivery.properties;
-        let mut table = properties.headers().clone().unwrap_or_default();
-        if !remove.is_empty() {
-            let mut kept = FieldTable::default();
-            for (name, value) in table.inner() {
-                if !remove.contains(&name.as_str()) {
-                    kept.insert(name.clone(), value.clone());
-                }
-            }
-            table = kept;
-        }
-        for (name, value) in headers {
-            table.insert(name.into(), value);
-        }
-        let properties: BasicProperties =
-            properties.clone().with_headers(table).with_delivery_mode(2);
-        let publish = async {
-            self.context
-                .channel
-                .basic_publish(
-                    ShortString::from(""),
-                    queue.into(),
-                    BasicPublishOptions {
-                        mandatory: true,
-                        ..BasicPublishOptions::default()
-                    },
-                    &self.delivery.data,
-                    properties,
-                )
-                .await
-                .map_err(BrokerError::broker)?
-                .await
-                .map_err(BrokerError::broker)
-        };
-        let after = self.context.setup.publish_timeout;
-        match tokio::time::timeout(after, publish).await {
-            Err(_) => Err(BrokerError::Timeout { what, after }),
-            Ok(Err(error)) => Err(error),
-            Ok(Ok(Confirmation::Ack(None))) => Ok(()),
-            Ok(Ok(_)) => Err(BrokerError::Refused { what }),
-        }
-    }
-
-    /// Acknowledges the delivery, waiting at most the publish timeout: a blocked connection (a
-    /// memory alarm) holds every frame back, acknowledgements too.
-    async fn ack(&self) -> Result<(), BrokerError> {
-        let after = self.context.setup.publish_timeout;
-        match tokio::time::timeout(after, self.delivery.ack(BasicAckOptions::default())).await {
-            Err(_) => Err(BrokerError::Timeout {
-                what: "acknowledgement",
-                after,
-            }),
-            Ok(acked) => acked.map(drop).map_err(BrokerError::broker),
-        }
-    }
-
-    /// The attempt this delivery is: 1 plus the times it expired in one of this runner's delay
-    /// queues, as RabbitMQ's `x-death` entries say.
-    fn attempt(&self) -> u32 {
-        let queue = self.context.setup.queue.as_str();
-        let Some(AMQPValue::FieldArray(deaths)) = self
-            .delivery
-            .properties
-            .headers()
-            .as_ref()
-            .and_then(|table| table.inner().get("x-death"))
-        else {
-            return 1;
-        };
-        let mut retries: u32 = 0;
-        for death in deaths.as_slice() {
-            let AMQPValue::FieldTable(death) = death else {
-                continue;
-            };
-            let field = |name: &str| death.inner().get(name);
-            let from_delay_queue = field("queue")
-                .and_then(bytes)
-                .is_some_and(|name| is_retry_queue(queue, name));
-            let expired = field("reason").and_then(bytes) == Some(b"expired".as_slice());
-            if from_delay_queue && expired {
-                let count = field("count").and_then(integer).unwrap_or(1);
-                retries = retries.saturating_add(count);
-            }
-        }
-        retries.saturating_add(1)
-    }
-}
-
-impl Delivery for AmqpDelivery {
-    const RELEASE_DELAYS: bool = false;
-
-    fn message(&self) -> Result<Message, String> {
-        let properties = &self.delivery.properties;
-        let message_id = properties
-            .message_id()
-            .as_ref()
-            .map(|id| id.as_str().to_owned())
-            .filter(|id| !id.is_empty())
-            .ok_or_else(|| "the message has no message_id property: it has no key".to_owned())?;
-        let mut headers = Vec::new();
-        if let Some(table) = properties.headers() {
-            for (name, value) in table.inner() {
-                if let Some(text) = text(value) {
-                    headers.push((name.as_str().to_owned(), text));
-                }
-            }
-        }
-        Ok(Message {
-            message_id: MessageId(message_id),
-            payload: self.delivery.data.clone(),
-            headers,
-            attempt: self.attempt(),
-            delivery_tag: DeliveryTag(self.delivery.delivery_tag),
-            redelivered: Redelivered(self.delivery.redelivered),
-            stream_sequence: None,
-        })
-    }
-
-    async fn settle(&self, route: &Route) -> Result<(), BrokerError> {
-        match route {
-            Route::Ack => return self.ack().await,
-            Route::Retry { attempt, after } => {
-                let retry_queues = &self.context.setup.retry_queues;
-                // The longest delay queue not longer than the delay (the policy's delays each
-                // have theirs; past the hundredth, the longest).
-                let queue = retry_queues
-                    .iter()
-                    .rev()
-                    .find(|(delay, _)| delay <= after)
-                    .or(retry_queues.first())
-                    .map(|(_, queue)| queue.clone())
-                    .ok_or(BrokerError::Refused { what: "retry" })?;
-                let attempt = AMQPValue::LongLongInt(i64::from(*attempt));
-                self.republish(&queue, vec![(ATTEMPT_HEADER, attempt)], &[], "retry")
-                    .await?;
-            }
-            Route::DeadLetter { reason, attempts } => {
-                let headers = vec![
-                    (
-                        REASON_HEADER,
-                        AMQPValue::LongString(LongString::from(reason.as_str())),
-                    ),
-                    (
-                        ATTEMPTS_HEADER,
-                        AMQPValue::LongLongInt(i64::from(*attempts)),
-                    ),
-                    (
-                        QUEUE_HEADER,
-                        AMQPValue::LongString(self.context.setup.queue.as_str().into()),
-                    ),
-                ];
-                let mut remove = DEATH_HEADERS.to_vec();
-                remove.push(ATTEMPT_HEADER);
-                let queue = &self.context.setup.dead_letters;
-                self.republish(queue, headers, &remove, "dead letter")
-                    .await?;
-            }
-        }
-        self.ack().await
-    }
-
-    async fn release(self, _after: Duration) {
-        // Not waited for past the publish timeout (a blocked connection): a delivery left
-        // unacknowledged is delivered again all the same once its channel closes.
-        let nack = self.delivery.nack(BasicNackOptions {
-            requeue: true,
-            ..BasicNackOptions::default()
-        });
-        let _ = tokio::time::timeout(self.context.setup.publish_timeout, nack).await;
-    }
-}
-
-fn bytes(value: &AMQPValue) -> Option<&[u8]> {
-    match value {
-        AMQPValue::LongString(s) => Some(s.as_bytes()),
-        AMQPValue::ShortString(s) => Some(s.as_str().as_bytes()),
-        _ => None,
-    }
-}
-
-fn integer(value: &AMQPValue) -> Option<u32> {
-    let n = match value {
-        AMQPValue::ShortShortUInt(n) => i64::from(*n),
-        AMQPValue::ShortUInt(n) => i64::from(*n),
-        AMQPValue::LongUInt(n) => i64::from(*n),
-        AMQPValue::ShortShortInt(n) => i64::from(*n),
-        AMQPValue::ShortInt(n) => i64::from(*n),
-        AMQPValue::LongInt(n) => i64::from(*n),
-        AMQPValue::LongLongInt(n) => *n,
-        _ => return None,
-    };
-    u32::try_from(n).ok()
-}
-
-fn text(value: &AMQPValue) -> Option<String> {
-    match value {
-        AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
-        AMQPValue::ShortString(s) => Some(s.as_str().to_owned()),
-        other => integer(other).map(|n| n.to_string()),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn delay_queues_are_recognised_by_name() {
-        assert!(is_retry_queue("q", b"q.retry.100ms"));
-        assert!(!is_retry_queue("q", b"q.retry.ms"));
-        assert!(!is_retry_queue("q", b"q.dead"));
-        assert!(!is_retry_queue("q", b"other.retry.100ms"));
-        assert!(!is_retry_queue("q", b"q.retry.1x0ms"));
-    }
-
-    #[test]
-    fn a_policy_of_any_size_has_few_delay_queues() {
-        let policy = RetryPolicy::new(u32::MAX, Duration::from_millis(1)).multiplier(1.0001);
-        let delays = retry_delays(&policy);
-        assert!(!delays.is_empty() && delays.len() <= 100);
-        let policy =
-            RetryPolicy::new(100, Duration::from_secs(1)).max_delay(Duration::from_secs(4));
-        let delays: Vec<u64> = retry_delays(&policy).iter().map(|d| d.as_secs()).collect();
-        assert_eq!(delays, [1, 2, 4]);
     }
 }

@@ -6,10 +6,10 @@ use std::sync::{Arc, Mutex};
 use axum_core::extract::{FromRequestParts, OptionalFromRequestParts};
 use http::request::Parts;
 
-use super::HttpBackend;
 use super::problem::Rejection;
 use crate::inbox::Claimed;
 use crate::key::{IdempotencyKey, MessageKey};
+use crate::store::try_claim::HttpBackend;
 
 /// Where the layer leaves the claimed transaction for the handler, and finds it again after the
 /// handler answered.

@@ -21,10 +21,9 @@ use http_body_util::{BodyExt, LengthLimitError, Limited};
 use tokio::sync::oneshot;
 use tracing::Instrument;
 
-use super::HttpBackend;
 use super::body::{Buffered, buffer};
+use super::config::{Config, Mode, Shared};
 use super::extract::{RequestKey, Slot};
-use super::layer::{Config, Mode, Shared};
 use super::problem::Rejection;
 use super::request_key::{read_key, scoped_key};
 use super::stored::{KEY_EXPIRES, StoredResponse};
@@ -33,6 +32,7 @@ use crate::error::InboxError;
 use crate::in_flight::Entered;
 use crate::inbox::{Claim, ClaimOptions, Claimed, Inbox, KeyCommitted, TryClaimed};
 use crate::key::MessageKey;
+use crate::store::try_claim::HttpBackend;
 
 /// How long a leased route tries to store a response at least (longer if its lease is), keeping
 /// the call's lease alive meanwhile.
@@ -606,7 +606,7 @@ impl<DB: HttpBackend> Run<DB> {
             Err(InboxError::FingerprintMismatch { .. }) => return Err(Rejection::KeyReused),
             Err(error) => return Err(Rejection::Inbox(error)),
         };
-        let response = response.ok_or(Rejection::Stored(super::StoredError::Missing))?;
+        let response = response.ok_or(Rejection::Stored(super::stored::StoredError::Missing))?;
         let stored = StoredResponse::decode(&response).map_err(Rejection::Stored)?;
         inbox
             .metrics

@@ -1,81 +1,21 @@
-//! The layer a route opts in with, its configuration, and the tower service it wraps the route in.
+//! The layer a route opts in with, and its builder methods.
 
-use std::convert::Infallible;
 use std::fmt;
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::Duration;
 
-use axum_core::extract::Request;
-use axum_core::response::{IntoResponse, Response};
 use http::StatusCode;
 use http::header::HeaderName;
 use http::request::Parts;
 
-use super::HttpBackend;
+use super::config::{Config, Mode, ScopeFn, Shared};
 use super::fingerprint::Fingerprint;
-use super::flow;
 use super::problem::Documentation;
-use super::request_key::DEFAULT_MAX_KEY_LEN;
-use super::stored::{DEFAULT_STORED_HEADERS, stored_by_default};
+use super::service::Idempotent;
 use crate::calls::MAX_CALL_LEASE;
 use crate::error::InboxError;
 use crate::inbox::{Inbox, check_consumer};
-
-/// Names the client a request comes from, given its head: the scope of its keys.
-type ScopeFn = dyn Fn(&Parts) -> Option<String> + Send + Sync;
-
-/// Says whether a response with this status is stored.
-type StoreWhenFn = dyn Fn(StatusCode) -> bool + Send + Sync;
-
-/// How a route's handler runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Mode {
-    /// In the transaction that claimed the key, which commits with the stored response.
-    Transaction,
-    /// Outside the database, under a pending call record with this lease.
-    Lease(Duration),
-}
-
-/// A layer's configuration; see the builder methods of [`IdempotencyLayer`].
-#[derive(Clone)]
-pub(crate) struct Config {
-    pub(crate) consumer: Arc<str>,
-    pub(crate) mode: Mode,
-    pub(crate) scope: Arc<ScopeFn>,
-    pub(crate) require_key: bool,
-    pub(crate) max_key_len: usize,
-    pub(crate) fingerprint: Fingerprint,
-    pub(crate) max_request_body: usize,
-    pub(crate) max_stored_body: usize,
-    pub(crate) store_when: Arc<StoreWhenFn>,
-    pub(crate) stored_headers: Vec<HeaderName>,
-    pub(crate) retry_after: Duration,
-    pub(crate) retention: Duration,
-    pub(crate) store_patience: Duration,
-    pub(crate) documentation: Option<Documentation>,
-}
-
-/// What every clone of a layer and of its services shares.
-pub(crate) struct Shared<DB: HttpBackend> {
-    /// The inbox as given.
-    base: Inbox<DB>,
-    /// The inbox with the layer's retention for its consumer.
-    pub(crate) inbox: Inbox<DB>,
-    pub(crate) config: Config,
-}
-
-impl<DB: HttpBackend> Clone for Shared<DB> {
-    fn clone(&self) -> Self {
-        Self {
-            base: self.base.clone(),
-            inbox: self.inbox.clone(),
-            config: self.config.clone(),
-        }
-    }
-}
+use crate::store::try_claim::HttpBackend;
 
 /// A [`tower::Layer`] that makes the routes it wraps idempotent by `Idempotency-Key` header; see
 /// the [module docs](super) for what it answers when.
@@ -94,23 +34,6 @@ impl<DB: HttpBackend> Clone for IdempotencyLayer<DB> {
         }
     }
 }
-
-/// The consumer name of a layer's inbox rows unless configured otherwise.
-pub const DEFAULT_CONSUMER: &str = "http";
-
-/// How long stored responses are kept unless configured otherwise: 24 hours.
-pub const DEFAULT_RETENTION: Duration = Duration::from_secs(24 * 60 * 60);
-
-/// How long a leased route's client waits for its response to be stored unless configured
-/// otherwise: 5 seconds (see [`IdempotencyLayer::store_patience`]).
-pub const DEFAULT_STORE_PATIENCE: Duration = Duration::from_secs(5);
-
-/// The most of a request body read (to fingerprint it) unless configured otherwise: 2 MiB,
-/// axum's own default body limit.
-pub const DEFAULT_MAX_REQUEST_BODY: usize = 2 * 1024 * 1024;
-
-/// The longest response body stored unless configured otherwise: 256 KiB.
-pub const DEFAULT_MAX_STORED_BODY: usize = 256 * 1024;
 
 impl<DB: HttpBackend> IdempotencyLayer<DB> {
     /// Creates a layer whose routes' handlers write to the inbox's database: each request's key is
@@ -155,43 +78,15 @@ impl<DB: HttpBackend> IdempotencyLayer<DB> {
     }
 
     fn with_mode(inbox: Inbox<DB>, scope: Arc<ScopeFn>, mode: Mode) -> Self {
-        let config = Config {
-            consumer: DEFAULT_CONSUMER.into(),
-            mode,
-            scope,
-            require_key: true,
-            max_key_len: DEFAULT_MAX_KEY_LEN,
-            fingerprint: Fingerprint::default(),
-            max_request_body: DEFAULT_MAX_REQUEST_BODY,
-            max_stored_body: DEFAULT_MAX_STORED_BODY,
-            store_when: Arc::new(stored_by_default),
-            stored_headers: DEFAULT_STORED_HEADERS.to_vec(),
-            retry_after: Duration::from_secs(1),
-            retention: DEFAULT_RETENTION,
-            store_patience: DEFAULT_STORE_PATIENCE,
-            documentation: None,
-        };
         Self {
-            shared: Arc::new(Shared {
-                inbox: inbox
-                    .clone()
-                    .with_consumer_retention(&config.consumer, config.retention),
-                base: inbox,
-                config,
-            }),
+            shared: Arc::new(Shared::new(inbox, Config::new(scope, mode))),
         }
     }
 
     /// The same layer with `change` applied to its configuration.
     fn configure(self, change: impl FnOnce(&mut Config)) -> Self {
-        let mut shared = Arc::unwrap_or_clone(self.shared);
-        change(&mut shared.config);
-        shared.inbox = shared
-            .base
-            .clone()
-            .with_consumer_retention(&shared.config.consumer, shared.config.retention);
         Self {
-            shared: Arc::new(shared),
+            shared: Arc::new(Arc::unwrap_or_clone(self.shared).reconfigured(change)),
         }
     }
 
@@ -314,55 +209,6 @@ impl<S, DB: HttpBackend> tower::Layer<S> for IdempotencyLayer<DB> {
     type Service = Idempotent<S, DB>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        Idempotent {
-            inner,
-            shared: self.shared.clone(),
-        }
-    }
-}
-
-/// The service [`IdempotencyLayer`] wraps a route in.
-pub struct Idempotent<S, DB: HttpBackend> {
-    inner: S,
-    shared: Arc<Shared<DB>>,
-}
-
-impl<S: Clone, DB: HttpBackend> Clone for Idempotent<S, DB> {
-    fn clone(&self) -> Self {
-        Self {
-            inner: self.inner.clone(),
-            shared: self.shared.clone(),
-        }
-    }
-}
-
-impl<S: fmt::Debug, DB: HttpBackend> fmt::Debug for Idempotent<S, DB> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Idempotent")
-            .field("inner", &self.inner)
-            .finish_non_exhaustive()
-    }
-}
-
-impl<S, DB> tower::Service<Request> for Idempotent<S, DB>
-where
-    S: tower::Service<Request, Error = Infallible> + Clone + Send + 'static,
-    S::Response: IntoResponse,
-    S::Future: Send + 'static,
-    DB: HttpBackend,
-{
-    type Response = Response;
-    type Error = Infallible;
-    type Future = Pin<Box<dyn Future<Output = Result<Response, Infallible>> + Send>>;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
-        self.inner.poll_ready(cx)
-    }
-
-    fn call(&mut self, request: Request) -> Self::Future {
-        // The service that was polled ready handles this request; a clone waits for the next.
-        let ready = self.inner.clone();
-        let inner = std::mem::replace(&mut self.inner, ready);
-        Box::pin(flow::handle(self.shared.clone(), inner, request))
+        Idempotent::new(inner, self.shared.clone())
     }
 }

@@ -19,23 +19,27 @@
 //! (<https://docs.rs/idempotent-inbox/latest/idempotent/guide/http/index.html>).
 
 mod body;
+mod config;
 mod extract;
 mod fingerprint;
 mod flow;
 mod layer;
 mod problem;
 mod request_key;
+mod service;
 pub mod stored;
 
 pub use crate::store::try_claim::HttpBackend;
+pub use config::{
+    DEFAULT_CONSUMER, DEFAULT_MAX_REQUEST_BODY, DEFAULT_MAX_STORED_BODY, DEFAULT_RETENTION,
+    DEFAULT_STORE_PATIENCE,
+};
 pub use extract::{IdempotentTx, RequestKey};
 pub use fingerprint::Fingerprint;
-pub use layer::{
-    DEFAULT_CONSUMER, DEFAULT_MAX_REQUEST_BODY, DEFAULT_MAX_STORED_BODY, DEFAULT_RETENTION,
-    DEFAULT_STORE_PATIENCE, IdempotencyLayer, Idempotent,
-};
+pub use layer::IdempotencyLayer;
 pub use problem::Rejection;
 pub use request_key::{DEFAULT_MAX_KEY_LEN, IDEMPOTENCY_KEY, KeyRejection};
+pub use service::Idempotent;
 pub use stored::{
     BODY_OMITTED, DEFAULT_STORED_HEADERS, KEY_EXPIRES, REPLAYED, StoredError, stored_by_default,
 };

@@ -20,7 +20,7 @@ use lapin::{
 };
 use tokio::sync::Mutex;
 
-use crate::broker::BrokerError;
+use crate::broker::error::BrokerError;
 use crate::outbox::{Publication, PublishError, Publisher};
 
 /// The most unconfirmed publications kept for a next publication of their message to wait for.

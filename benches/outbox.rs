@@ -1,0 +1,746 @@
+//! What the outbox costs and how fast its relay goes, measured in one run on this machine's
+//! PostgreSQL, RabbitMQ and NATS JetStream; prints tables and writes `docs/bench_outbox.svg`.
+//!
+//! ```text
+//! cargo bench --bench outbox --features rabbitmq,nats,postgres
+//! ```
+//! (`IDEMPOTENT_PG_URL`, `IDEMPOTENT_AMQP_URL`, `IDEMPOTENT_NATS_URL`.)
+//!
+//! 1. **Relay throughput** against the broker's own limit: the broker's publish-with-confirm rate
+//!    (a hand-written loop on one channel or context, persistent messages with ids, up to 1,000
+//!    unconfirmed at once: the best this machine's broker does), then a relay draining the same
+//!    number of committed outgoing rows through the outbox's publisher, by batch size and workers.
+//! 2. **Commit-to-publish latency**: handlers commit one outgoing message each at a steady rate;
+//!    from each commit's return to the broker's confirmation of its message, p50 and p99, with the
+//!    relay woken by `LISTEN/NOTIFY` and with polling only.
+//! 3. **Handler cost**: the same handler (one `UPDATE`) with and without queueing one outgoing
+//!    message, 8 workers, as a ratio.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use futures::stream::FuturesUnordered;
+use idempotent::broker::nats::async_nats::{self, HeaderMap, jetstream};
+use idempotent::broker::rabbitmq::lapin::options::{
+    BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions, QueuePurgeOptions,
+};
+use idempotent::broker::rabbitmq::lapin::types::FieldTable;
+use idempotent::broker::rabbitmq::lapin::{
+    BasicProperties, Channel, Connection, ConnectionProperties,
+};
+use idempotent::outbox::{
+    Destination, Outbox, OutgoingMessage, Publication, PublishError, Publisher, RelayOptions,
+};
+use idempotent::{Inbox, idempotent};
+use sqlx::{PgConnection, PgPool, Postgres};
+
+const ACCOUNTS: i64 = 10_000;
+/// Unconfirmed messages the broker's own loop keeps in flight.
+const WINDOW: usize = 1000;
+
+fn payload(i: usize) -> Vec<u8> {
+    format!(r#"{{"event":"order.paid","order":{i},"amount_cents":4200,"currency":"EUR"}}"#)
+        .into_bytes()
+}
+
+fn rate(count: usize, elapsed: Duration) -> f64 {
+    count as f64 / elapsed.as_secs_f64()
+}
+
+fn env(name: &str) -> String {
+    std::env::var(name).unwrap_or_else(|_| panic!("{name} is not set"))
+}
+
+// ---------------------------------------------------------------------------------------------
+// The database
+
+async fn reset(pool: &PgPool) {
+    for sql in [
+        "DROP TABLE IF EXISTS accounts",
+        "CREATE TABLE accounts (id BIGINT PRIMARY KEY, balance BIGINT NOT NULL)",
+        "INSERT INTO accounts SELECT g, 0 FROM generate_series(1, 10000) g",
+        "TRUNCATE idempotent_inbox, idempotent_inbox_outbox, idempotent_inbox_outbox_keys",
+        "VACUUM ANALYZE",
+    ] {
+        sqlx::query(sql).execute(pool).await.unwrap();
+    }
+}
+
+/// Commits `count` outgoing messages to `destination`, 500 per transaction.
+async fn fill_outbox(inbox: &Inbox<Postgres>, count: usize, destination: &Destination) {
+    let run = uuid::Uuid::new_v4().simple().to_string();
+    for chunk in (0..count).collect::<Vec<_>>().chunks(500) {
+        let mut outbox = Outbox::new("bench", &format!("{run}-{}", chunk[0])).unwrap();
+        for i in chunk {
+            outbox.send(OutgoingMessage::new(destination.clone(), payload(*i)));
+        }
+        let mut tx = inbox.pool().begin().await.unwrap();
+        inbox.enqueue(&mut tx, outbox).await.unwrap();
+        tx.commit().await.unwrap();
+    }
+}
+
+/// Runs a relay with `options` until it published `count` messages; messages per second.
+async fn drain<P: Publisher>(
+    inbox: &Inbox<Postgres>,
+    publisher: P,
+    options: RelayOptions,
+    count: usize,
+) -> f64 {
+    let start = Instant::now();
+    let relay = inbox.spawn_relay(publisher, options);
+    while (relay.stats().published as usize) < count {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let elapsed = start.elapsed();
+    relay.shutdown().await;
+    rate(count, elapsed)
+}
+
+// ---------------------------------------------------------------------------------------------
+// The brokers' own limits
+
+async fn amqp_channel() -> (Connection, Channel) {
+    let connection =
+        Connection::connect(&env("IDEMPOTENT_AMQP_URL"), ConnectionProperties::default())
+            .await
+            .unwrap();
+    let channel = connection.create_channel().await.unwrap();
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    (connection, channel)
+}
+
+/// RabbitMQ: `count` persistent, mandatory messages with ids, sent [`WINDOW`] at a time
+/// concurrently, each group's confirmations awaited before the next is sent.
+async fn rabbitmq_limit_grouped(channel: &Channel, queue: &str, count: usize) -> f64 {
+    let start = Instant::now();
+    let ids: Vec<usize> = (0..count).collect();
+    for group in ids.chunks(WINDOW) {
+        let confirms = futures::future::join_all(group.iter().map(|i| {
+            let properties = BasicProperties::default()
+                .with_message_id(uuid::Uuid::new_v4().to_string().into())
+                .with_delivery_mode(2);
+            let payload = payload(*i);
+            async move {
+                channel
+                    .basic_publish(
+                        "".into(),
+                        queue.into(),
+                        BasicPublishOptions {
+                            mandatory: true,
+                            ..BasicPublishOptions::default()
+                        },
+                        &payload,
+                        properties,
+                    )
+                    .await
+                    .unwrap()
+                    .await
+                    .unwrap()
+            }
+        }))
+        .await;
+        assert_eq!(confirms.len(), group.len());
+    }
+    rate(count, start.elapsed())
+}
+
+/// RabbitMQ: `count` persistent, mandatory messages with ids, at most [`WINDOW`] unconfirmed.
+async fn rabbitmq_limit(channel: &Channel, queue: &str, count: usize) -> f64 {
+    let start = Instant::now();
+    let mut confirms: FuturesUnordered<idempotent::broker::rabbitmq::lapin::PublisherConfirm> =
+        FuturesUnordered::new();
+    for i in 0..count {
+        if confirms.len() >= WINDOW {
+            confirms.next().await.unwrap().unwrap();
+        }
+        let properties = BasicProperties::default()
+            .with_message_id(uuid::Uuid::new_v4().to_string().into())
+            .with_delivery_mode(2);
+        let confirm = channel
+            .basic_publish(
+                "".into(),
+                queue.into(),
+                BasicPublishOptions {
+                    mandatory: true,
+                    ..BasicPublishOptions::default()
+                },
+                &payload(i),
+                properties,
+            )
+            .await
+            .unwrap();
+        confirms.push(confirm);
+    }
+    while let Some(confirm) = confirms.next().await {
+        confirm.unwrap();
+    }
+    rate(count, start.elapsed())
+}
+
+/// The outbox's publisher on its own, without the database: `count` publications, at most
+/// [`WINDOW`] at once.
+async fn publisher_alone<P: Publisher>(
+    publisher: &P,
+    destination: &Destination,
+    count: usize,
+) -> f64 {
+    let publications: Vec<Publication> = (0..count).map(|i| publication(destination, i)).collect();
+    let start = Instant::now();
+    futures::stream::iter(&publications)
+        .map(|p| publisher.publish(p))
+        .buffer_unordered(WINDOW)
+        .for_each(|published| async move { published.unwrap() })
+        .await;
+    rate(count, start.elapsed())
+}
+
+/// A publication as a relay hands it over (read back from a relay's own: the type cannot be built
+/// outside the crate).
+fn publication(destination: &Destination, i: usize) -> Publication {
+    let mut publication = TEMPLATE.lock().unwrap().clone().expect("a template");
+    publication.message_id = uuid::Uuid::new_v4().to_string();
+    publication.destination = destination.clone();
+    publication.payload = payload(i);
+    publication
+}
+
+/// A publication a relay handed over, to copy.
+static TEMPLATE: Mutex<Option<Publication>> = Mutex::new(None);
+
+/// Keeps the first publication it is handed, as a template.
+struct Keep;
+
+impl Publisher for Keep {
+    async fn publish(&self, publication: &Publication) -> Result<(), PublishError> {
+        TEMPLATE
+            .lock()
+            .unwrap()
+            .get_or_insert_with(|| publication.clone());
+        Ok(())
+    }
+}
+
+/// JetStream: `count` messages with `Nats-Msg-Id`, sent [`WINDOW`] at a time concurrently, each
+/// group's acknowledgements awaited before the next is sent.
+async fn nats_limit_grouped(context: &jetstream::Context, subject: &str, count: usize) -> f64 {
+    let start = Instant::now();
+    let ids: Vec<usize> = (0..count).collect();
+    for group in ids.chunks(WINDOW) {
+        futures::future::join_all(group.iter().map(|i| async move {
+            let mut headers = HeaderMap::new();
+            headers.insert(
+                async_nats::header::NATS_MESSAGE_ID,
+                uuid::Uuid::new_v4().to_string().as_str(),
+            );
+            context
+                .publish_with_headers(subject.to_owned(), headers, payload(*i).into())
+                .await
+                .unwrap()
+                .await
+                .unwrap();
+        }))
+        .await;
+    }
+    rate(count, start.elapsed())
+}
+
+/// JetStream: `count` messages with `Nats-Msg-Id`, at most [`WINDOW`] unacknowledged.
+async fn nats_limit(context: &jetstream::Context, subject: &str, count: usize) -> f64 {
+    let start = Instant::now();
+    let mut acks = FuturesUnordered::new();
+    for i in 0..count {
+        if acks.len() >= WINDOW {
+            let acked: Result<_, jetstream::context::PublishError> = acks.next().await.unwrap();
+            acked.unwrap();
+        }
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            async_nats::header::NATS_MESSAGE_ID,
+            uuid::Uuid::new_v4().to_string().as_str(),
+        );
+        let ack = context
+            .publish_with_headers(subject.to_owned(), headers, payload(i).into())
+            .await
+            .unwrap();
+        acks.push(ack.into_future());
+    }
+    while let Some(ack) = acks.next().await {
+        ack.unwrap();
+    }
+    rate(count, start.elapsed())
+}
+
+async fn purge(channel: &Channel, queue: &str) {
+    channel
+        .queue_purge(queue.into(), QueuePurgeOptions::default())
+        .await
+        .unwrap();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Latency and handler cost
+
+/// A broker that confirms every message at once: what the relay does without one.
+struct Instant0;
+
+impl Publisher for Instant0 {
+    async fn publish(&self, _: &Publication) -> Result<(), PublishError> {
+        Ok(())
+    }
+}
+
+/// A publisher that notes when the broker confirmed each message.
+struct Timed<P> {
+    inner: P,
+    confirmed: Mutex<HashMap<String, Instant>>,
+}
+
+impl<P: Publisher> Publisher for Timed<P> {
+    async fn publish(&self, publication: &Publication) -> Result<(), PublishError> {
+        self.inner.publish(publication).await?;
+        self.confirmed
+            .lock()
+            .unwrap()
+            .insert(publication.message_id.clone(), Instant::now());
+        Ok(())
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+enum BenchError {
+    #[error("database error")]
+    Db(#[from] sqlx::Error),
+}
+
+struct Payment {
+    message_id: String,
+    account: i64,
+    destination: Destination,
+}
+
+#[idempotent(key = "message_id", consumer = "plain")]
+async fn pay(tx: &mut PgConnection, msg: &Payment) -> Result<(), BenchError> {
+    sqlx::query("UPDATE accounts SET balance = balance + 1 WHERE id = $1")
+        .bind(msg.account)
+        .execute(&mut *tx)
+        .await?;
+    Ok(())
+}
+
+#[idempotent(key = "message_id", consumer = "announcing")]
+async fn pay_and_announce(
+    tx: &mut PgConnection,
+    msg: &Payment,
+    outbox: &mut Outbox,
+) -> Result<(), BenchError> {
+    sqlx::query("UPDATE accounts SET balance = balance + 1 WHERE id = $1")
+        .bind(msg.account)
+        .execute(&mut *tx)
+        .await?;
+    outbox.send(OutgoingMessage::new(
+        msg.destination.clone(),
+        payload(msg.account as usize),
+    ));
+    Ok(())
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
+}
+
+/// Commits one outgoing message every `every`, `count` in all, with a relay running; the
+/// commit-to-confirmation latencies, sorted.
+async fn latency(
+    inbox: &Inbox<Postgres>,
+    channel: &Channel,
+    queue: &str,
+    options: RelayOptions,
+    count: usize,
+    every: Duration,
+) -> Vec<Duration> {
+    let publisher = Arc::new(Timed {
+        inner: idempotent::broker::rabbitmq::OutboxPublisher::new(channel.clone())
+            .await
+            .unwrap(),
+        confirmed: Mutex::default(),
+    });
+    let relay = inbox.spawn_relay(publisher.clone(), options);
+    tokio::time::sleep(Duration::from_millis(300)).await; // the listener is up
+    let destination = Destination::queue(queue);
+    let worker = inbox.for_worker();
+    let mut committed = Vec::with_capacity(count);
+    let mut ticks = tokio::time::interval(every);
+    for i in 0..count {
+        ticks.tick().await;
+        let msg = Payment {
+            message_id: uuid::Uuid::new_v4().to_string(),
+            account: 1 + (i as i64 % ACCOUNTS),
+            destination: destination.clone(),
+        };
+        assert!(
+            pay_and_announce(&worker, &msg)
+                .await
+                .unwrap()
+                .is_processed()
+        );
+        let key = idempotent::message_key(&msg.message_id).unwrap();
+        committed.push((Outbox::derived_id("announcing", &key, 0), Instant::now()));
+    }
+    while publisher.confirmed.lock().unwrap().len() < count {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    relay.shutdown().await;
+    let confirmed = publisher.confirmed.lock().unwrap();
+    let mut latencies: Vec<Duration> = committed
+        .iter()
+        .map(|(id, at)| confirmed[id].saturating_duration_since(*at))
+        .collect();
+    latencies.sort();
+    latencies
+}
+
+/// `count` messages through `handler` by 8 workers; messages per second.
+async fn handlers<F, Fut>(inbox: &Inbox<Postgres>, count: usize, handler: F) -> f64
+where
+    F: Fn(Inbox<Postgres>, Payment) -> Fut + Clone + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send,
+{
+    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let start = Instant::now();
+    let workers: Vec<_> = (0..8)
+        .map(|_| {
+            let (inbox, next, handler) = (inbox.for_worker(), next.clone(), handler.clone());
+            tokio::spawn(async move {
+                loop {
+                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    if i >= count {
+                        return;
+                    }
+                    let msg = Payment {
+                        message_id: uuid::Uuid::new_v4().to_string(),
+                        account: 1 + (i as i64 * 7919) % ACCOUNTS,
+                        destination: Destination::queue("bench-cost"),
+                    };
+                    handler(inbox.clone(), msg).await;
+                }
+            })
+        })
+        .collect();
+    for worker in workers {
+        worker.await.unwrap();
+    }
+    rate(count, start.elapsed())
+}
+
+fn ms(d: Duration) -> String {
+    format!("{:.1}", d.as_secs_f64() * 1000.0)
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    // `cargo bench` passes `--bench`; `cargo test --all-targets` runs a benchmark without it, and
+    // then it measures nothing.
+    if !std::env::args().any(|arg| arg == "--bench") {
+        return;
+    }
+    let pg = env("IDEMPOTENT_PG_URL");
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(16)
+        .connect(&pg)
+        .await
+        .unwrap();
+    let inbox = Inbox::new(pool.clone());
+    inbox.migrate().await.unwrap();
+    reset(&pool).await;
+    let count: usize = std::env::var("BENCH_OUTBOX_MESSAGES")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(20_000);
+
+    // 1. Throughput: RabbitMQ.
+    let (_connection, channel) = amqp_channel().await;
+    let queue = format!("bench-outbox-{}", uuid::Uuid::new_v4().simple());
+    channel
+        .queue_declare(
+            queue.as_str().into(),
+            QueueDeclareOptions::durable(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let mut throughput = Vec::new();
+    let limit = {
+        let mut best: f64 = 0.0;
+        for _ in 0..3 {
+            best = best.max(rabbitmq_limit(&channel, &queue, count).await);
+            purge(&channel, &queue).await;
+            best = best.max(rabbitmq_limit_grouped(&channel, &queue, count).await);
+            purge(&channel, &queue).await;
+        }
+        best
+    };
+    throughput.push((
+        "RabbitMQ",
+        "broker's own loop (best of 6)".to_owned(),
+        limit,
+        limit,
+    ));
+    {
+        // A publication to copy, from a relay.
+        reset(&pool).await;
+        fill_outbox(&inbox, 1, &Destination::queue(queue.clone())).await;
+        inbox
+            .relay_once(&Keep, &RelayOptions::default())
+            .await
+            .unwrap();
+        let publisher =
+            idempotent::broker::rabbitmq::OutboxPublisher::connect(&env("IDEMPOTENT_AMQP_URL"))
+                .await
+                .unwrap();
+        let alone = publisher_alone(&publisher, &Destination::queue(queue.clone()), count).await;
+        throughput.push((
+            "RabbitMQ",
+            "the outbox's publisher alone, no database".to_owned(),
+            alone,
+            limit,
+        ));
+        purge(&channel, &queue).await;
+    }
+    for (batch, workers) in [(100, 1), (500, 1), (500, 2), (500, 4), (1000, 4)] {
+        reset(&pool).await;
+        fill_outbox(&inbox, count, &Destination::queue(queue.clone())).await;
+        let publisher =
+            idempotent::broker::rabbitmq::OutboxPublisher::connect(&env("IDEMPOTENT_AMQP_URL"))
+                .await
+                .unwrap();
+        let options = RelayOptions::default().batch_size(batch).workers(workers);
+        let relayed = drain(&inbox, publisher, options, count).await;
+        throughput.push((
+            "RabbitMQ",
+            format!("relay, batches of {batch}, {workers} worker(s)"),
+            relayed,
+            limit,
+        ));
+        purge(&channel, &queue).await;
+    }
+
+    // 1. Throughput: NATS JetStream.
+    let client = async_nats::connect(env("IDEMPOTENT_NATS_URL"))
+        .await
+        .unwrap();
+    let context = jetstream::new(client);
+    let prefix = uuid::Uuid::new_v4().simple().to_string();
+    context
+        .create_stream(jetstream::stream::Config {
+            name: format!("BENCH_{prefix}"),
+            subjects: vec![format!("{prefix}.>")],
+            duplicate_window: Duration::from_secs(120),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let subject = format!("{prefix}.paid");
+    let limit = {
+        let mut best: f64 = 0.0;
+        for _ in 0..3 {
+            best = best.max(nats_limit(&context, &subject, count).await);
+            best = best.max(nats_limit_grouped(&context, &subject, count).await);
+        }
+        best
+    };
+    throughput.push((
+        "NATS JetStream",
+        "broker's own loop (best of 6)".to_owned(),
+        limit,
+        limit,
+    ));
+    for (batch, workers) in [(100, 1), (500, 1), (500, 2), (500, 4), (1000, 4)] {
+        reset(&pool).await;
+        fill_outbox(&inbox, count, &Destination::subject(subject.clone())).await;
+        let publisher = idempotent::broker::nats::OutboxPublisher::new(context.clone());
+        let options = RelayOptions::default().batch_size(batch).workers(workers);
+        let relayed = drain(&inbox, publisher, options, count).await;
+        throughput.push((
+            "NATS JetStream",
+            format!("relay, batches of {batch}, {workers} worker(s)"),
+            relayed,
+            limit,
+        ));
+    }
+
+    // The relay's own limit: the database's work, with a broker that confirms at once.
+    for (batch, workers) in [(500, 1), (500, 4)] {
+        reset(&pool).await;
+        fill_outbox(&inbox, count, &Destination::queue("nowhere")).await;
+        let options = RelayOptions::default().batch_size(batch).workers(workers);
+        let relayed = drain(&inbox, Instant0, options, count).await;
+        throughput.push((
+            "none (confirms at once)",
+            format!("relay, batches of {batch}, {workers} worker(s)"),
+            relayed,
+            f64::NAN,
+        ));
+    }
+
+    println!(
+        "\n## Relay throughput ({count} messages each, PostgreSQL 15, one machine, 2 cores)\n"
+    );
+    println!("| broker | publisher | messages/s | × the broker's own |");
+    println!("|---|---|---|---|");
+    for (broker, what, rate, limit) in &throughput {
+        let ratio = if limit.is_nan() {
+            "-".to_owned()
+        } else {
+            format!("{:.2}", rate / limit)
+        };
+        println!("| {broker} | {what} | {rate:.0} | {ratio} |");
+    }
+
+    // 2. Latency, at 100 messages per second.
+    reset(&pool).await;
+    let mut latencies = Vec::new();
+    for (label, options) in [
+        ("LISTEN/NOTIFY", RelayOptions::default()),
+        (
+            "polling, back-off 10 ms to 1 s (the default without LISTEN)",
+            RelayOptions::default().listen(false),
+        ),
+        (
+            "polling every 10 ms",
+            RelayOptions::default()
+                .listen(false)
+                .poll_interval(Duration::from_millis(10), Duration::from_millis(10)),
+        ),
+    ] {
+        let sorted = latency(
+            &inbox,
+            &channel,
+            &queue,
+            options,
+            1000,
+            Duration::from_millis(10),
+        )
+        .await;
+        latencies.push((label, sorted));
+        purge(&channel, &queue).await;
+    }
+    println!("\n## Commit-to-publish latency (1,000 messages at 100/s, RabbitMQ confirms)\n");
+    println!("| relay woken by | p50 ms | p99 ms | max ms |");
+    println!("|---|---|---|---|");
+    for (label, sorted) in &latencies {
+        println!(
+            "| {label} | {} | {} | {} |",
+            ms(percentile(sorted, 0.5)),
+            ms(percentile(sorted, 0.99)),
+            ms(*sorted.last().unwrap())
+        );
+    }
+    plot(&latencies);
+
+    // 3. Handler cost.
+    reset(&pool).await;
+    let handled = 20_000;
+    let quiet = inbox.clone().with_outbox_notify(false);
+    let mut plain = Vec::new();
+    let mut announcing = Vec::new();
+    let mut announcing_quietly = Vec::new();
+    for _ in 0..3 {
+        plain.push(
+            handlers(&inbox, handled, |inbox, msg| async move {
+                assert!(pay(&inbox, &msg).await.unwrap().is_processed());
+            })
+            .await,
+        );
+        announcing.push(
+            handlers(&inbox, handled, |inbox, msg| async move {
+                assert!(pay_and_announce(&inbox, &msg).await.unwrap().is_processed());
+            })
+            .await,
+        );
+        announcing_quietly.push(
+            handlers(&quiet, handled, |inbox, msg| async move {
+                assert!(pay_and_announce(&inbox, &msg).await.unwrap().is_processed());
+            })
+            .await,
+        );
+    }
+    let median = |mut rates: Vec<f64>| {
+        rates.sort_by(f64::total_cmp);
+        rates[1]
+    };
+    let (plain, announcing, quietly) = (
+        median(plain),
+        median(announcing),
+        median(announcing_quietly),
+    );
+    println!("\n## Handler cost ({handled} messages, 8 workers, median of 3 rounds)\n");
+    println!("| handler | messages/s | ratio |");
+    println!("|---|---|---|");
+    println!("| the UPDATE, no outgoing message | {plain:.0} | 1.00 |");
+    println!(
+        "| the UPDATE and one outgoing message (`outbox.send`), with `NOTIFY` | {announcing:.0} | {:.2} |",
+        announcing / plain
+    );
+    println!(
+        "| the same, `with_outbox_notify(false)` (relays that poll) | {quietly:.0} | {:.2} |",
+        quietly / plain
+    );
+}
+
+/// The latencies' distributions, as `docs/bench_outbox.svg`.
+fn plot(latencies: &[(&str, Vec<Duration>)]) {
+    use plotters::prelude::*;
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/bench_outbox.svg");
+    let root = SVGBackend::new(&path, (900, 480)).into_drawing_area();
+    root.fill(&WHITE).unwrap();
+    let max_ms = latencies
+        .iter()
+        .map(|(_, l)| l.last().unwrap().as_secs_f64() * 1000.0)
+        .fold(1.0, f64::max);
+    let mut chart = ChartBuilder::on(&root)
+        .caption(
+            "Commit-to-publish latency, 1,000 messages at 100/s (RabbitMQ confirms)",
+            ("sans-serif", 18),
+        )
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(50)
+        .build_cartesian_2d((0.1f64..max_ms * 1.2).log_scale(), 0f64..100f64)
+        .unwrap();
+    chart
+        .configure_mesh()
+        .x_desc("milliseconds from the handler's commit to the broker's confirmation (log)")
+        .y_desc("% of messages")
+        .draw()
+        .unwrap();
+    let colors = [RED, BLUE, GREEN];
+    for ((label, sorted), color) in latencies.iter().zip(colors) {
+        let n = sorted.len() as f64;
+        let points = sorted.iter().enumerate().map(|(i, d)| {
+            (
+                (d.as_secs_f64() * 1000.0).max(0.1),
+                100.0 * (i + 1) as f64 / n,
+            )
+        });
+        chart
+            .draw_series(LineSeries::new(points, color.stroke_width(2)))
+            .unwrap()
+            .label(*label)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::LowerRight)
+        .draw()
+        .unwrap();
+    root.present().unwrap();
+    println!("\n(plot: {})", path.display());
+}

@@ -1,0 +1,11 @@
+//! The headers the RabbitMQ runner writes on retries and dead letters.
+
+/// The header that carries a retried delivery's attempt number, for people to read (the runner
+/// counts attempts from RabbitMQ's own `x-death` entries; see the [module docs](super)).
+pub const ATTEMPT_HEADER: &str = "x-idempotent-attempt";
+/// The header that carries a dead letter's reason.
+pub const REASON_HEADER: &str = "x-idempotent-reason";
+/// The header that carries the number of attempts a dead letter had.
+pub const ATTEMPTS_HEADER: &str = "x-idempotent-attempts";
+/// The header that names the queue a dead letter came from.
+pub const QUEUE_HEADER: &str = "x-idempotent-queue";

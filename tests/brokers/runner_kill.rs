@@ -1,0 +1,157 @@
+//! Real brokers end to end: the producer and consumer examples as separate processes, on RabbitMQ
+//! and on NATS JetStream, and a consumer that is SIGKILLed after its commit but before the
+//! runner's acknowledgement, again and again. Every effect happens once, every copy the producer
+//! retried and every redelivery after a kill is a detected duplicate, and nothing is left behind.
+#![cfg(all(feature = "sqlite", feature = "rabbitmq", feature = "nats"))]
+
+mod support;
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use support::example;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::Command;
+
+const MESSAGES: usize = 40;
+const RETRIES: usize = 8;
+const KILLS: usize = 4;
+
+fn env(name: &str) -> String {
+    std::env::var(name)
+        .unwrap_or_else(|_| panic!("{name} is not set: run the tests with scripts/test"))
+}
+
+/// One broker's producer and consumer examples, on a destination of the test's own.
+struct Broker {
+    producer: &'static str,
+    consumer: &'static str,
+    /// `--queue name` or `--stream NAME`, and what else both examples take.
+    destination: Vec<String>,
+    url: (&'static str, String),
+}
+
+impl Broker {
+    fn command(&self, program: &str, database: &str, extra: &[&str]) -> Command {
+        let mut command = Command::new(example(program));
+        command
+            .args(&self.destination)
+            .args(extra)
+            .env(self.url.0, &self.url.1)
+            .env("DATABASE_URL", database)
+            .stdout(Stdio::piped())
+            .kill_on_drop(true);
+        command
+    }
+}
+
+/// Publishes `MESSAGES` payments (`RETRIES` of them twice), runs consumers that each commit three
+/// payments and are SIGKILLed before acknowledging the third, `KILLS` times, then one that runs
+/// until the destination is idle; checks every line they printed and the ledger.
+async fn killed_after_commit_before_ack(broker: Broker, publications: usize) {
+    let dir = tempfile::tempdir().unwrap();
+    let database = format!("sqlite://{}", dir.path().join("ledger.db").display());
+    let published = broker
+        .command(
+            broker.producer,
+            &database,
+            &["--messages", &MESSAGES.to_string()],
+        )
+        .args(["--retries", &RETRIES.to_string()])
+        .stdout(Stdio::null())
+        .status()
+        .await
+        .unwrap();
+    assert!(published.success());
+
+    let mut lines = Vec::new();
+    for _ in 0..KILLS {
+        let mut child = broker
+            .command(broker.consumer, &database, &["--pause-after-commit", "3"])
+            .spawn()
+            .unwrap();
+        let mut stdout = BufReader::new(child.stdout.take().unwrap()).lines();
+        let paused = tokio::time::timeout(Duration::from_secs(60), async {
+            while let Some(line) = stdout.next_line().await.unwrap() {
+                let paused = line.starts_with("PAUSED");
+                lines.push(line);
+                if paused {
+                    return true;
+                }
+            }
+            false
+        })
+        .await
+        .expect("the consumer paused in time");
+        assert!(paused, "the consumer exited before its pause: {lines:#?}");
+        child.kill().await.unwrap(); // SIGKILL: no ack, no goodbye to the broker
+    }
+    let output = broker
+        .command(broker.consumer, &database, &["--exit-when-idle", "3"])
+        .output()
+        .await
+        .unwrap();
+    assert!(output.status.success());
+    lines.extend(
+        String::from_utf8(output.stdout)
+            .unwrap()
+            .lines()
+            .map(String::from),
+    );
+
+    let count = |what: &str| lines.iter().filter(|l| l.starts_with(what)).count();
+    assert_eq!(count("PROCESSED"), MESSAGES, "{lines:#?}");
+    assert_eq!(
+        count("DUPLICATE"),
+        publications - MESSAGES + KILLS,
+        "every retried copy that reached the consumer and every redelivery after a kill is a \
+         detected duplicate: {lines:#?}"
+    );
+    assert_eq!(count("RETRY") + count("DEAD-LETTER") + count("REJECTED"), 0);
+    assert!(
+        lines
+            .iter()
+            .filter(|l| l.starts_with("DUPLICATE") && l.ends_with("redelivered=true"))
+            .count()
+            >= KILLS,
+        "the redelivered copies came with the broker's redelivered flag: {lines:#?}"
+    );
+    let last = lines.last().unwrap();
+    assert!(last.starts_with("IDLE"), "{last}");
+
+    let pool = sqlx::SqlitePool::connect(&database).await.unwrap();
+    let effects: Vec<(String, i64)> =
+        sqlx::query_as("SELECT message_id, COUNT(*) FROM ledger GROUP BY message_id")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(effects.len(), MESSAGES);
+    assert!(effects.iter().all(|(_, n)| *n == 1), "{effects:?}");
+}
+
+#[tokio::test]
+async fn rabbitmq_consumer_killed_after_its_commit_before_its_ack_has_each_effect_once() {
+    let queue = format!("payments-{}", uuid::Uuid::new_v4().simple());
+    let broker = Broker {
+        producer: "rabbitmq_producer",
+        consumer: "rabbitmq_consumer",
+        destination: vec!["--queue".into(), queue],
+        url: ("IDEMPOTENT_AMQP_URL", env("IDEMPOTENT_AMQP_URL")),
+    };
+    // RabbitMQ keeps the producer's retried copies: each reaches the consumer.
+    killed_after_commit_before_ack(broker, MESSAGES + RETRIES).await;
+}
+
+#[tokio::test]
+async fn nats_consumer_killed_after_its_commit_before_its_ack_has_each_effect_once() {
+    let stream = format!("PAYMENTS_{}", uuid::Uuid::new_v4().simple());
+    let broker = Broker {
+        producer: "nats_producer",
+        consumer: "nats_consumer",
+        // A killed consumer's unacknowledged message comes back after a second.
+        destination: vec!["--stream".into(), stream, "--ack-wait".into(), "1".into()],
+        url: ("IDEMPOTENT_NATS_URL", env("IDEMPOTENT_NATS_URL")),
+    };
+    // JetStream drops the producer's retried copies itself (`Nats-Msg-Id` in its window).
+    killed_after_commit_before_ack(broker, MESSAGES).await;
+}
