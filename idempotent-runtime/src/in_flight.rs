@@ -3,7 +3,7 @@
 //! a transaction waits for every other writer, the only way a twin does not wait. Shared by the
 //! inbox's clones, so that a transactional and a leased route sharing a consumer see each other's
 //! keys too. Twins handled by other processes are the database's business (see
-//! [`no_wait`](crate::store::try_claim)).
+//! [`try_claim`](crate::store::try_claim)).
 
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
