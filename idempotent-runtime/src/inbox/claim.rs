@@ -21,7 +21,7 @@ pub struct ClaimOptions<'a> {
     pub read_response: bool,
     /// When the message was sent, if it says (a key that is a UUIDv7 says it without this): a new
     /// key of a message sent before its consumer's purge horizon is refused with
-    /// [`InboxError::OlderThanHorizon`]. See [`Retention`] for the horizon.
+    /// [`InboxError::OlderThanHorizon`]. See [`Retention`](crate::Retention) for the horizon.
     pub sent_at: Option<SystemTime>,
 }
 

@@ -201,7 +201,7 @@ impl<DB: Backend> Inbox<DB> {
     }
 
     /// Returns whether the inbox records `key` as processed by `consumer` (committed claims only).
-    /// `key` is a [`MessageKey`] or any [`StableKey`](crate::StableKey) value.
+    /// `key` is a [`MessageKey`](crate::MessageKey) or any [`StableKey`](crate::StableKey) value.
     pub async fn is_processed<K: AsMessageKey + ?Sized>(
         &self,
         consumer: &str,

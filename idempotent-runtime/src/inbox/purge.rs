@@ -12,7 +12,7 @@ impl<DB: Backend> Inbox<DB> {
     /// Deletes every expired row, `batch_size` rows per transaction, oldest first, using the index
     /// on `processed_at`; each batch is one short statement, so claims wait for at most one batch.
     /// Before it deletes a consumer's rows it records the consumer's purge horizon (see
-    /// [`Retention`]); then it deletes the expired call records and audit rows the same way.
+    /// [`Retention`](crate::Retention)); then it deletes the expired call records and audit rows the same way.
     /// Does nothing when another instance is purging the same table (PostgreSQL advisory lock,
     /// MySQL `GET_LOCK`). Dropped half-way (a timeout around it), it leaves nothing behind: its
     /// batch rolls back and the session holding the lock is closed.
