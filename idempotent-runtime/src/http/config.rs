@@ -90,7 +90,7 @@ impl Config {
 }
 
 /// What every clone of a layer and of its services shares.
-pub(crate) struct Shared<DB: HttpBackend> {
+pub(crate) struct LayerState<DB: HttpBackend> {
     /// The inbox as given.
     base: Inbox<DB>,
     /// The inbox with the layer's retention for its consumer.
@@ -98,7 +98,7 @@ pub(crate) struct Shared<DB: HttpBackend> {
     pub(crate) config: Config,
 }
 
-impl<DB: HttpBackend> Clone for Shared<DB> {
+impl<DB: HttpBackend> Clone for LayerState<DB> {
     fn clone(&self) -> Self {
         Self {
             base: self.base.clone(),
@@ -108,7 +108,7 @@ impl<DB: HttpBackend> Clone for Shared<DB> {
     }
 }
 
-impl<DB: HttpBackend> Shared<DB> {
+impl<DB: HttpBackend> LayerState<DB> {
     /// Returns what a layer made of `inbox` and `config` shares: the inbox keeps the layer's rows
     /// for the configured retention.
     pub(crate) fn new(inbox: Inbox<DB>, config: Config) -> Self {

@@ -13,15 +13,15 @@ use crate::store::try_claim::HttpBackend;
 
 /// Where the layer leaves the claimed transaction for the handler, and finds it again after the
 /// handler answered.
-pub(crate) struct Slot<DB: HttpBackend>(Arc<Mutex<Option<Claimed<DB>>>>);
+pub(crate) struct ClaimedForHandler<DB: HttpBackend>(Arc<Mutex<Option<Claimed<DB>>>>);
 
-impl<DB: HttpBackend> Clone for Slot<DB> {
+impl<DB: HttpBackend> Clone for ClaimedForHandler<DB> {
     fn clone(&self) -> Self {
         Self(self.0.clone())
     }
 }
 
-impl<DB: HttpBackend> Slot<DB> {
+impl<DB: HttpBackend> ClaimedForHandler<DB> {
     pub(crate) fn new(claimed: Claimed<DB>) -> Self {
         Self(Arc::new(Mutex::new(Some(claimed))))
     }
@@ -69,7 +69,7 @@ impl<DB: HttpBackend> Slot<DB> {
 pub struct IdempotentTx<DB: HttpBackend> {
     /// `Some` until dropped, when it goes back to the slot.
     claimed: Option<Claimed<DB>>,
-    slot: Slot<DB>,
+    slot: ClaimedForHandler<DB>,
 }
 
 impl<DB: HttpBackend> IdempotentTx<DB> {
@@ -108,7 +108,7 @@ impl<S: Send + Sync, DB: HttpBackend> FromRequestParts<S> for IdempotentTx<DB> {
     async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Rejection> {
         let slot = parts
             .extensions
-            .get::<Slot<DB>>()
+            .get::<ClaimedForHandler<DB>>()
             .cloned()
             .ok_or(Rejection::NoTransaction(
                 "the route has no transactional idempotency layer for this database \

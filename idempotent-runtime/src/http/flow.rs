@@ -22,8 +22,8 @@ use tokio::sync::oneshot;
 use tracing::Instrument;
 
 use super::body::{Buffered, buffer};
-use super::config::{Config, Mode, Shared};
-use super::extract::{RequestKey, Slot};
+use super::config::{Config, LayerState, Mode};
+use super::extract::{ClaimedForHandler, RequestKey};
 use super::problem::Rejection;
 use super::request_key::{read_key, scoped_key};
 use super::stored::{KEY_EXPIRES, StoredResponse};
@@ -43,7 +43,7 @@ const CALL_NAME: &str = "http";
 
 /// One request through the layer.
 pub(crate) async fn handle<S, DB>(
-    shared: Arc<Shared<DB>>,
+    shared: Arc<LayerState<DB>>,
     mut inner: S,
     request: Request,
 ) -> Result<Response, Infallible>
@@ -128,7 +128,7 @@ where
 
 /// A request whose key is in flight in this process, from its claim to its stored response.
 struct Run<DB: HttpBackend> {
-    shared: Arc<Shared<DB>>,
+    shared: Arc<LayerState<DB>>,
     key: MessageKey,
     fingerprint: [u8; 32],
     /// The `Idempotency-Key-Expires` of the responses it stores.
@@ -233,7 +233,7 @@ impl<DB: HttpBackend> Run<DB> {
             }
         };
         tracing::debug!("claimed");
-        let slot = Slot::new(claimed);
+        let slot = ClaimedForHandler::new(claimed);
         let (mut parts, body) = request.into_parts();
         parts.extensions.insert(slot.clone());
         let response = match inner.call(Request::from_parts(parts, body)).await {

@@ -8,7 +8,7 @@ use http::StatusCode;
 use http::header::HeaderName;
 use http::request::Parts;
 
-use super::config::{Config, Mode, ScopeFn, Shared};
+use super::config::{Config, LayerState, Mode, ScopeFn};
 use super::fingerprint::Fingerprint;
 use super::problem::Documentation;
 use super::service::Idempotent;
@@ -24,7 +24,7 @@ use crate::store::try_claim::HttpBackend;
 /// effects, in axum with `post(handler).layer(layer.clone())` or `Router::route_layer`. Clones
 /// share their configuration and the keys in flight.
 pub struct IdempotencyLayer<DB: HttpBackend> {
-    shared: Arc<Shared<DB>>,
+    shared: Arc<LayerState<DB>>,
 }
 
 impl<DB: HttpBackend> Clone for IdempotencyLayer<DB> {
@@ -79,7 +79,7 @@ impl<DB: HttpBackend> IdempotencyLayer<DB> {
 
     fn with_mode(inbox: Inbox<DB>, scope: Arc<ScopeFn>, mode: Mode) -> Self {
         Self {
-            shared: Arc::new(Shared::new(inbox, Config::new(scope, mode))),
+            shared: Arc::new(LayerState::new(inbox, Config::new(scope, mode))),
         }
     }
 

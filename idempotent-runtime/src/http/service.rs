@@ -10,19 +10,19 @@ use std::task::{Context, Poll};
 use axum_core::extract::Request;
 use axum_core::response::{IntoResponse, Response};
 
-use super::config::Shared;
+use super::config::LayerState;
 use super::flow;
 use crate::store::try_claim::HttpBackend;
 
 /// The service [`IdempotencyLayer`](super::IdempotencyLayer) wraps a route in.
 pub struct Idempotent<S, DB: HttpBackend> {
     inner: S,
-    shared: Arc<Shared<DB>>,
+    shared: Arc<LayerState<DB>>,
 }
 
 impl<S, DB: HttpBackend> Idempotent<S, DB> {
     /// Returns the service that runs `inner` behind the layer whose state is `shared`.
-    pub(crate) fn new(inner: S, shared: Arc<Shared<DB>>) -> Self {
+    pub(crate) fn new(inner: S, shared: Arc<LayerState<DB>>) -> Self {
         Self { inner, shared }
     }
 }
