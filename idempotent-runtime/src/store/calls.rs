@@ -257,6 +257,49 @@ pub trait CallQueries: Database {
     ) -> impl Future<Output = Result<Vec<StuckRow>, sqlx::Error>> + Send + 'a;
 }
 
+/// The first value a fenced update binds: a lease in milliseconds (take over, extend) or a
+/// result (complete).
+enum Fenced<'a> {
+    Lease(i64),
+    Result(&'a [u8]),
+}
+
+/// Runs `sql`, one of the updates fenced by the call's `fence` (take over, complete, extend), in a
+/// transaction of its own: `value`, then the call's id and fence, bound in that order. Returns
+/// whether it changed the call's row (false: another attempt holds the call now).
+async fn fenced_update<DB>(
+    conn: &mut DB::Connection,
+    statements: &CallStatements,
+    sql: &str,
+    value: Fenced<'_>,
+    id: CallId<'_>,
+    fence: i64,
+) -> Result<bool, sqlx::Error>
+where
+    DB: Database + HasStatementCache,
+    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
+    for<'q> &'q str: Encode<'q, DB> + Type<DB>,
+    for<'q> &'q [u8]: Encode<'q, DB> + Type<DB>,
+    <DB as Database>::Arguments: sqlx::IntoArguments<DB>,
+    for<'q> i64: Encode<'q, DB> + Type<DB>,
+    DB::QueryResult: RowsAffected,
+{
+    let done = in_own_transaction!(conn, statements, {
+        let query = statements.query(AssertSqlSafe(sql.to_owned()));
+        let query = match value {
+            Fenced::Lease(lease_ms) => query.bind(lease_ms),
+            Fenced::Result(result) => query.bind(result),
+        };
+        query
+            .bind(id.consumer)
+            .bind(id.key)
+            .bind(id.name)
+            .bind(fence)
+            .execute(&mut *conn)
+    })?;
+    Ok(done.rows() == 1)
+}
+
 impl<DB> CallQueries for DB
 where
     DB: Database + HasStatementCache,
@@ -314,19 +357,15 @@ where
         fence: i64,
         lease_ms: i64,
     ) -> Result<bool, sqlx::Error> {
-        let done = in_own_transaction!(
+        fenced_update(
             conn,
             statements,
-            statements
-                .query(AssertSqlSafe(statements.take_over.clone()))
-                .bind(lease_ms)
-                .bind(id.consumer)
-                .bind(id.key)
-                .bind(id.name)
-                .bind(fence)
-                .execute(&mut *conn)
-        )?;
-        Ok(done.rows() == 1)
+            &statements.take_over,
+            Fenced::Lease(lease_ms),
+            id,
+            fence,
+        )
+        .await
     }
 
     async fn call_complete(
@@ -336,19 +375,15 @@ where
         fence: i64,
         result: &[u8],
     ) -> Result<bool, sqlx::Error> {
-        let done = in_own_transaction!(
+        fenced_update(
             conn,
             statements,
-            statements
-                .query(AssertSqlSafe(statements.complete.clone()))
-                .bind(result)
-                .bind(id.consumer)
-                .bind(id.key)
-                .bind(id.name)
-                .bind(fence)
-                .execute(&mut *conn)
-        )?;
-        Ok(done.rows() == 1)
+            &statements.complete,
+            Fenced::Result(result),
+            id,
+            fence,
+        )
+        .await
     }
 
     async fn call_extend(
@@ -358,19 +393,15 @@ where
         fence: i64,
         lease_ms: i64,
     ) -> Result<bool, sqlx::Error> {
-        let done = in_own_transaction!(
+        fenced_update(
             conn,
             statements,
-            statements
-                .query(AssertSqlSafe(statements.extend.clone()))
-                .bind(lease_ms)
-                .bind(id.consumer)
-                .bind(id.key)
-                .bind(id.name)
-                .bind(fence)
-                .execute(&mut *conn)
-        )?;
-        Ok(done.rows() == 1)
+            &statements.extend,
+            Fenced::Lease(lease_ms),
+            id,
+            fence,
+        )
+        .await
     }
 
     async fn call_pending(
