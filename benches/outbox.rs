@@ -358,14 +358,13 @@ fn percentile(sorted: &[Duration], p: f64) -> Duration {
 /// commit-to-confirmation latencies, sorted.
 async fn latency(
     inbox: &Inbox<Postgres>,
-    channel: &Channel,
     queue: &str,
     options: RelayOptions,
     count: usize,
     every: Duration,
 ) -> Vec<Duration> {
     let publisher = Arc::new(Timed {
-        inner: idempotent::broker::rabbitmq::OutboxPublisher::new(channel.clone())
+        inner: idempotent::broker::rabbitmq::OutboxPublisher::connect(&env("IDEMPOTENT_AMQP_URL"))
             .await
             .unwrap(),
         confirmed: Mutex::default(),
@@ -618,15 +617,7 @@ async fn main() {
                 .poll_interval(Duration::from_millis(10), Duration::from_millis(10)),
         ),
     ] {
-        let sorted = latency(
-            &inbox,
-            &channel,
-            &queue,
-            options,
-            1000,
-            Duration::from_millis(10),
-        )
-        .await;
+        let sorted = latency(&inbox, &queue, options, 1000, Duration::from_millis(10)).await;
         latencies.push((label, sorted));
         purge(&channel, &queue).await;
     }

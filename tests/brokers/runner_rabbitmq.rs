@@ -387,30 +387,7 @@ async fn a_dead_letter_that_cannot_be_published_waits_for_redelivery_and_the_res
     let dead = runner.dead_letters();
     let stats = runner.stats();
     let (shutdown, running) = start(runner, &shop);
-    eventually(Duration::from_secs(30), async || {
-        depth(&connection, &dead).await == 0 && stats().reconnects == 0 && {
-            // The runner declared its queues: the dead-letter queue exists.
-            let probe = connection.create_channel().await.unwrap();
-            let exists = probe
-                .queue_declare(
-                    dead.as_str().into(),
-                    QueueDeclareOptions {
-                        passive: true,
-                        ..QueueDeclareOptions::default()
-                    },
-                    FieldTable::default(),
-                )
-                .await
-                .is_ok();
-            let _ = probe.close(200, "".into()).await;
-            exists
-        }
-    })
-    .await;
-    channel
-        .queue_delete(dead.as_str().into(), Default::default())
-        .await
-        .unwrap();
+    delete_once_declared(&connection, &channel, &dead, &stats).await;
     publish(&channel, &queue, Some("poison"), Kind::Poison).await;
     for i in 0..20 {
         publish(&channel, &queue, Some(&format!("ok-{i}")), Kind::Ok).await;
@@ -442,6 +419,114 @@ async fn a_dead_letter_that_cannot_be_published_waits_for_redelivery_and_the_res
     assert_eq!(depth(&connection, &queue).await, 0);
     let effects = shop.effects().await;
     assert!(effects.values().all(|n| *n == 1) && !effects.contains_key("poison"));
+}
+
+/// Waits until the runner has declared its dead-letter queue `dead`, then deletes it.
+async fn delete_once_declared(
+    connection: &Connection,
+    channel: &lapin::Channel,
+    dead: &str,
+    stats: &impl Fn() -> idempotent::broker::RunnerStats,
+) {
+    eventually(Duration::from_secs(30), async || {
+        depth(connection, dead).await == 0 && stats().reconnects == 0 && {
+            let probe = connection.create_channel().await.unwrap();
+            let exists = probe
+                .queue_declare(
+                    dead.into(),
+                    QueueDeclareOptions {
+                        passive: true,
+                        ..QueueDeclareOptions::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await
+                .is_ok();
+            let _ = probe.close(200, "".into()).await;
+            exists
+        }
+    })
+    .await;
+    channel
+        .queue_delete(dead.into(), Default::default())
+        .await
+        .unwrap();
+}
+
+/// RabbitMQ confirms several publications of a channel with one `basic.ack`, and lapin hands a
+/// returned message to whichever confirmation it resolves next: with eight workers publishing
+/// retries (routed) and dead letters (unroutable: the queue is gone) at once (fewer poison
+/// messages than workers: each holds a worker during its back-off), a dead letter's
+/// return reached a retry's confirmation, and the poison message was acknowledged as
+/// dead-lettered, and lost (2 rounds in 8 under load). No dead letter may count while its queue
+/// is missing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn returned_dead_letters_among_retries_in_flight_are_never_taken_for_confirmed() {
+    // Each round is one chance for the returns to cross: five of them.
+    for _round in 0..5 {
+        let (connection, channel, queue) = queue().await;
+        let shop = Shop::new().await;
+        let runner = Runner::connect(amqp_url(), &queue)
+            .workers(8)
+            .retry(RetryPolicy::new(3, Duration::from_millis(50)));
+        let dead = runner.dead_letters();
+        let stats = runner.stats();
+        let (shutdown, running) = start(runner, &shop);
+        delete_once_declared(&connection, &channel, &dead, &stats).await;
+        for i in 0..200 {
+            if i % 40 == 0 {
+                publish(&channel, &queue, Some(&format!("poison-{i}")), Kind::Poison).await;
+            } else {
+                publish(
+                    &channel,
+                    &queue,
+                    Some(&format!("flaky-{i}")),
+                    Kind::Flaky(1),
+                )
+                .await;
+            }
+        }
+        eventually(Duration::from_secs(60), async || {
+            shop.effects().await.len() == 195 && stats().released >= 5
+        })
+        .await;
+        assert_eq!(
+            stats().dead_lettered,
+            0,
+            "dead letters counted while their queue is missing"
+        );
+        channel
+            .queue_declare(
+                dead.as_str().into(),
+                QueueDeclareOptions::durable(),
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+        eventually(Duration::from_secs(120), async || {
+            depth(&connection, &dead).await == 5
+        })
+        .await;
+        shutdown.cancel();
+        let stats = running.await.unwrap().unwrap();
+        let mut letters: Vec<String> = dead_letters(&channel, &dead)
+            .await
+            .into_iter()
+            .map(|letter| letter.0)
+            .collect();
+        letters.sort();
+        let mut poison: Vec<String> = (0..200)
+            .step_by(40)
+            .map(|i| format!("poison-{i}"))
+            .collect();
+        poison.sort();
+        assert_eq!(letters, poison);
+        assert_eq!((stats.dead_lettered, stats.retried), (5, 195));
+        let effects = shop.effects().await;
+        assert!(
+            effects.values().all(|n| *n == 1) && !effects.keys().any(|k| k.starts_with("poison"))
+        );
+    }
 }
 
 /// Issue 21: `RetryPolicy::new(n, d).max_delay(m)` with `n ≥ 66` made the runner panic at start

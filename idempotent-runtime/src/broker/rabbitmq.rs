@@ -83,6 +83,7 @@ pub use lapin;
 mod publisher;
 pub use publisher::OutboxPublisher;
 
+mod confirms;
 mod consumer;
 mod delay_queues;
 mod delivery;

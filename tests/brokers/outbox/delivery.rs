@@ -1,5 +1,6 @@
 //! What reaches the brokers: RabbitMQ gets every message persistent with the outbox id as
-//! `message_id` and its headers, an unroutable one is parked with `NO_ROUTE`; JetStream stores
+//! `message_id` and its headers, an unroutable one is parked with `NO_ROUTE` (also the 40 among 440
+//! in flight: each return its own publication's); JetStream stores
 //! every message once, a subject without a stream is parked; rows published a second time (as
 //! after a relay that died between the confirmation and marking them sent) reach a downstream
 //! `#[idempotent(key = "message_id")]` handler as duplicates, or are dropped by the stream itself.
@@ -103,6 +104,61 @@ async fn rabbitmq_gets_each_message_persistent_with_the_outbox_id_and_unroutable
         "the downstream keys are not the outbox's ids"
     );
     assert!(received.values().all(|n| *n == 1), "{received:?}");
+}
+
+/// RabbitMQ confirms several publications of a channel at once (`basic.ack` with `multiple`), and
+/// lapin hands a returned message to whichever confirmation it resolves next: with many
+/// publications in flight, an unroutable one must still be the one parked, and no routed one may
+/// be counted as returned.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rabbitmq_each_returned_message_is_its_own_publications_among_hundreds_in_flight() {
+    let _no_alarm = crate::ALARM.read().await;
+    let (channel, queue) = crate::rabbitmq_queue(lapin::types::FieldTable::default()).await;
+    let two = Two::new().await;
+    let unroutable = Destination::exchange("amq.direct", format!("nobody-{queue}"));
+    let (mut routed, mut lost) = (Vec::new(), Vec::new());
+    for round in 0..10 {
+        routed.extend(
+            two.orders(
+                &format!("paid{round}"),
+                40,
+                &Destination::queue(queue.clone()),
+            )
+            .await,
+        );
+        lost.extend(two.orders(&format!("lost{round}"), 4, &unroutable).await);
+    }
+    let publisher = idempotent::broker::rabbitmq::OutboxPublisher::connect(&crate::amqp_url())
+        .await
+        .unwrap();
+    let options = crate::options()
+        .batch_size(200)
+        .attempts(1, Duration::from_millis(50));
+    let relay = two.producer.spawn_relay(publisher, options);
+    two.until_published(400, 40).await;
+    relay.shutdown().await;
+
+    let parked: Vec<String> = two
+        .producer
+        .parked_messages(None, 100)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|message| message.message_id)
+        .collect();
+    let routed_but_parked: Vec<&String> = parked.iter().filter(|id| !lost.contains(id)).collect();
+    let unroutable_but_sent: Vec<&String> = lost.iter().filter(|id| !parked.contains(id)).collect();
+    assert_eq!(
+        (routed_but_parked, unroutable_but_sent),
+        (vec![], vec![]),
+        "(routed but parked, unroutable but marked sent)"
+    );
+    let got = crate::rabbitmq_ids(&channel, &queue).await;
+    assert_eq!(
+        crate::each_at_least_once(&got, &routed),
+        0,
+        "copies arrived"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -13,6 +13,7 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Connection};
 
+use super::confirms::ConfirmChannels;
 use super::delivery::{AmqpDelivery, RunnerSetup, SessionContext};
 use crate::broker::error::BrokerError;
 use crate::broker::outage::Outage;
@@ -33,7 +34,7 @@ pub(super) enum ChannelSource {
 /// A connection's channel and the runner's consumer on it.
 struct ConsumerSession {
     /// The connection the runner made, if it did.
-    connection: Option<Connection>,
+    connection: Option<Arc<Connection>>,
     channel: Channel,
     consumer: lapin::Consumer,
     context: Arc<SessionContext>,
@@ -177,7 +178,7 @@ impl ReconnectingConsumer {
             ChannelSource::Connector(connect) => {
                 let connection = connect().await.map_err(OpenError::Lost)?;
                 let channel = connection.create_channel().await.map_err(OpenError::Lost)?;
-                (Some(connection), channel)
+                (Some(Arc::new(connection)), channel)
             }
         };
         let setup = &self.setup;
@@ -235,8 +236,12 @@ impl ReconnectingConsumer {
             )
             .await
             .map_err(classify)?;
+        let publishing = match &connection {
+            Some(connection) => ConfirmChannels::on(connection.clone()),
+            None => ConfirmChannels::only(channel.clone()),
+        };
         let context = Arc::new(SessionContext {
-            channel: channel.clone(),
+            publishing,
             setup: setup.clone(),
         });
         Ok(ConsumerSession {

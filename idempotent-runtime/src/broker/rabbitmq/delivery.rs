@@ -4,10 +4,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use lapin::options::{BasicAckOptions, BasicNackOptions, BasicPublishOptions};
-use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
-use lapin::{BasicProperties, Channel, Confirmation};
+use lapin::options::{BasicAckOptions, BasicNackOptions};
+use lapin::types::{AMQPValue, FieldTable, LongString};
+use lapin::{BasicProperties, Confirmation};
 
+use super::confirms::ConfirmChannels;
 use super::delay_queues::is_retry_queue;
 use super::headers::{ATTEMPT_HEADER, ATTEMPTS_HEADER, QUEUE_HEADER, REASON_HEADER};
 use crate::broker::delivery::Delivery;
@@ -28,7 +29,9 @@ pub(super) struct RunnerSetup {
 
 /// What every delivery of one session needs to settle.
 pub(super) struct SessionContext {
-    pub(super) channel: Channel,
+    /// Where copies to the delay and dead-letter queues are published, each on a channel of its
+    /// own until confirmed: a copy returned unroutable is then known to be that copy.
+    pub(super) publishing: Arc<ConfirmChannels>,
     pub(super) setup: Arc<RunnerSetup>,
 }
 
@@ -79,19 +82,11 @@ impl AmqpDelivery {
             properties.clone().with_headers(table).with_delivery_mode(2);
         let publish = async {
             self.context
-                .channel
-                .basic_publish(
-                    ShortString::from(""),
-                    queue.into(),
-                    BasicPublishOptions {
-                        mandatory: true,
-                        ..BasicPublishOptions::default()
-                    },
-                    &self.delivery.data,
-                    properties,
-                )
+                .publishing
+                .lend()
                 .await
                 .map_err(BrokerError::broker)?
+                .publish("".into(), queue.into(), &self.delivery.data, properties)
                 .await
                 .map_err(BrokerError::broker)
         };

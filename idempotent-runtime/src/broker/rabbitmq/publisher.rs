@@ -4,22 +4,26 @@
 //! exist by closing the channel (404), which would fail every other publication in flight on it:
 //! a publisher with a connection of its own checks each exchange once, with a passive declare on
 //! a channel kept for that, before it publishes there. A publication that was not confirmed in
-//! time (the relay dropped it: a blocked connection, a slow broker) is kept, and the next
-//! publication of the same message waits for its confirmation instead of sending a second copy.
+//! time (the relay dropped it: a blocked connection, a slow broker) goes on by itself, and the
+//! next publication of the same message waits for its confirmation instead of sending a second
+//! copy. Each publication has a channel to itself until it is confirmed ([`ConfirmChannels`]), so
+//! that a returned message is never taken for another's.
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions};
+use lapin::options::ExchangeDeclareOptions;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{
     BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, ErrorKind,
     ExchangeKind,
 };
 use tokio::sync::Mutex;
+use tokio::task::JoinHandle;
 
+use super::confirms::ConfirmChannels;
 use crate::broker::error::BrokerError;
 use crate::outbox::{Publication, PublishError, Publisher};
 
@@ -28,8 +32,10 @@ const MAX_ABANDONED: usize = 10_000;
 
 /// Publishes a relay's outgoing messages to RabbitMQ (an [`outbox`](crate::outbox)
 /// [`Publisher`]): each message persistent (`delivery_mode` 2), `mandatory`, with its id as the
-/// `message_id` property and its headers as AMQP headers, on a channel in publisher-confirm mode.
-/// `Ok` means the broker confirmed it (`basic.ack`), which for a durable queue means it is on disk.
+/// `message_id` property and its headers as AMQP headers, on a channel in publisher-confirm mode
+/// that carries no other unconfirmed publication (a returned message is then this one's: lapin
+/// hands a return to whichever confirmation of its channel it resolves next). `Ok` means the broker
+/// confirmed it (`basic.ack`), which for a durable queue means it is on disk.
 ///
 /// | the broker | the relay |
 /// |---|---|
@@ -41,15 +47,15 @@ const MAX_ABANDONED: usize = 10_000;
 /// | a closed channel or connection | [`PublishError::Unavailable`]: left pending; a publisher made with [`connect`](Self::connect) connects again for the next message |
 ///
 /// A publication the relay gave up on (no confirmation within its `publish_timeout`) is not
-/// forgotten: the next publication of that message on the same channel waits for the first one's
-/// confirmation rather than sending a second copy, so a broker that is slow to confirm (under an
-/// alarm) gets each message once.
+/// forgotten: it goes on, and the next publication of that message on the same connection waits
+/// for the first one's confirmation rather than sending a second copy, so a broker that is slow to
+/// confirm (under an alarm) gets each message once.
 pub struct OutboxPublisher {
     url: Option<String>,
-    /// The open channel, if any: read (and cloned) by every publication, never held across an
-    /// await.
+    /// The open connection's channels, if any: read (and cloned) by every publication, never held
+    /// across an await.
     open: std::sync::Mutex<Option<Open>>,
-    /// Held while the channel is opened again, so that one publication does it.
+    /// Held while the connection is made again, so that one publication does it.
     reopening: Mutex<()>,
     /// The channel that checks exchanges (a publisher with a connection of its own), held while
     /// it checks one.
@@ -61,19 +67,19 @@ pub struct OutboxPublisher {
 }
 
 struct Open {
-    /// The connection, when the publisher opened it (and so can open channels on it).
-    connection: Option<Arc<Connection>>,
-    channel: Channel,
-    /// Counts the channels opened, so that an abandoned publication is only waited for on its own.
+    channels: Arc<ConfirmChannels>,
+    /// Counts the connections, so that an abandoned publication is only waited for on its own.
     generation: u64,
 }
 
-/// A publication sent (or queued to be sent) and its confirmation still to come.
+/// A publication sent (or waiting for a channel to be sent on) and its confirmation still to come.
 type Confirming = Pin<Box<dyn Future<Output = lapin::Result<Confirmation>> + Send>>;
 
+/// A publication the relay stopped waiting for, going on in a task of its own (so that its
+/// channel is given back when it is confirmed, whether or not the message is published again).
 struct Abandoned {
     generation: u64,
-    confirming: Confirming,
+    confirming: JoinHandle<lapin::Result<Confirmation>>,
 }
 
 /// The publication in flight: abandoned (kept for the next publication of its message) if it is
@@ -96,17 +102,21 @@ impl InFlight<'_> {
 
 impl Drop for InFlight<'_> {
     fn drop(&mut self) {
-        if let Some(confirming) = self.confirming.take() {
-            let mut abandoned = self.publisher.abandoned();
-            if abandoned.len() < MAX_ABANDONED {
-                abandoned.insert(
-                    self.message_id.to_owned(),
-                    Abandoned {
-                        generation: self.generation,
-                        confirming,
-                    },
-                );
-            }
+        let Some(confirming) = self.confirming.take() else {
+            return;
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let mut abandoned = self.publisher.abandoned();
+        if abandoned.len() < MAX_ABANDONED {
+            abandoned.insert(
+                self.message_id.to_owned(),
+                Abandoned {
+                    generation: self.generation,
+                    confirming: runtime.spawn(confirming),
+                },
+            );
         }
     }
 }
@@ -120,37 +130,29 @@ impl std::fmt::Debug for OutboxPublisher {
 }
 
 impl OutboxPublisher {
-    /// Creates a publisher on `channel`, which it puts in publisher-confirm mode. It has no
-    /// connection to open channels on: it cannot check exchanges before it publishes, and once the
-    /// channel is closed (a lost connection, or a publication to an exchange that does not exist,
-    /// which RabbitMQ answers by closing the channel) every publication fails as
-    /// [`PublishError::Unavailable`]. Prefer [`connect`](Self::connect).
-    pub async fn new(channel: Channel) -> Result<Self, BrokerError> {
-        confirm(&channel).await?;
-        Ok(Self::with(
+    /// Creates a publisher that opens its channels on `connection`. It cannot connect again: once
+    /// the connection is lost, every publication fails as [`PublishError::Unavailable`]. Prefer
+    /// [`connect`](Self::connect).
+    pub fn new(connection: Connection) -> Self {
+        Self::with(
             None,
             Open {
-                connection: None,
-                channel,
+                channels: ConfirmChannels::on(Arc::new(connection)),
                 generation: 0,
             },
-        ))
+        )
     }
 
-    /// Creates a publisher with a connection of its own to `url` (`amqp://…`): it opens its
-    /// channel again when it was closed, connects again when the connection was lost, and checks
-    /// each exchange once before it publishes there.
+    /// Creates a publisher with a connection of its own to `url` (`amqp://…`), which it makes
+    /// again when it was lost.
     pub async fn connect(url: &str) -> Result<Self, BrokerError> {
         let connection = Connection::connect(url, ConnectionProperties::default())
             .await
             .map_err(BrokerError::broker)?;
-        let connection = Arc::new(connection);
-        let channel = confirmed_channel(&connection).await?;
         Ok(Self::with(
             Some(url.to_owned()),
             Open {
-                connection: Some(connection),
-                channel,
+                channels: ConfirmChannels::on(Arc::new(connection)),
                 generation: 0,
             },
         ))
@@ -175,69 +177,45 @@ impl OutboxPublisher {
         self.exchanges.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Returns the open channel, its connection and its generation, if the channel is still open.
-    fn current(&self) -> Option<(Channel, Option<Arc<Connection>>, u64)> {
+    /// Returns the channels and their generation, if their connection is still open.
+    fn current(&self) -> Option<(Arc<ConfirmChannels>, u64)> {
         let open = self.open.lock().unwrap_or_else(|e| e.into_inner());
         open.as_ref()
-            .filter(|open| open.channel.status().connected())
-            .map(|open| {
-                (
-                    open.channel.clone(),
-                    open.connection.clone(),
-                    open.generation,
-                )
-            })
+            .filter(|open| open.channels.connected())
+            .map(|open| (open.channels.clone(), open.generation))
     }
 
-    /// Returns the channel to publish on: the open one, or a new one when it closed (on the same
-    /// connection while it is connected, else on a new connection, when the publisher has a URL).
-    async fn channel(&self) -> Result<(Channel, Option<Arc<Connection>>, u64), PublishError> {
+    /// Returns the channels to publish on: the open connection's, or a new connection's when it
+    /// was lost (when the publisher has a URL).
+    async fn channels(&self) -> Result<(Arc<ConfirmChannels>, u64), PublishError> {
         if let Some(current) = self.current() {
             return Ok(current);
         }
+        let Some(url) = &self.url else {
+            return Err(PublishError::unavailable(
+                "the publisher's connection is closed",
+            ));
+        };
         let _reopening = self.reopening.lock().await;
         if let Some(current) = self.current() {
-            return Ok(current); // another publication opened it meanwhile
+            return Ok(current); // another publication connected meanwhile
         }
-        let (connection, generation) = {
-            let open = self.open.lock().unwrap_or_else(|e| e.into_inner());
-            let connection = open
-                .as_ref()
-                .and_then(|open| open.connection.clone())
-                .filter(|connection| connection.status().connected());
-            (
-                connection,
-                open.as_ref().map_or(0, |open| open.generation) + 1,
-            )
-        };
-        let connection = match (connection, &self.url) {
-            (Some(connection), _) => connection,
-            (None, Some(url)) => {
-                let connection = Connection::connect(url, ConnectionProperties::default())
-                    .await
-                    .map_err(PublishError::unavailable)?;
-                // Another connection: what was known of the last one's exchanges is checked again.
-                self.exchanges().clear();
-                *self.probe.lock().await = None;
-                Arc::new(connection)
-            }
-            (None, None) => {
-                return Err(PublishError::unavailable(
-                    "the publisher's channel is closed",
-                ));
-            }
-        };
-        let channel = confirmed_channel(&connection)
+        let connection = Connection::connect(url, ConnectionProperties::default())
             .await
             .map_err(PublishError::unavailable)?;
-        // The publications abandoned on the closed channel will never be confirmed.
+        // Another connection: what was known of the last one's exchanges is checked again, and
+        // the publications abandoned on it will never be confirmed.
+        self.exchanges().clear();
+        *self.probe.lock().await = None;
         self.abandoned().clear();
-        *self.open.lock().unwrap_or_else(|e| e.into_inner()) = Some(Open {
-            connection: Some(connection.clone()),
-            channel: channel.clone(),
+        let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
+        let generation = open.as_ref().map_or(0, |open| open.generation) + 1;
+        let channels = ConfirmChannels::on(Arc::new(connection));
+        *open = Some(Open {
+            channels: channels.clone(),
             generation,
         });
-        Ok((channel, Some(connection), generation))
+        Ok((channels, generation))
     }
 
     /// Checks that `exchange` exists, once per connection, with a passive declare on a channel of
@@ -298,26 +276,16 @@ impl OutboxPublisher {
             publisher: self,
             message_id,
             generation,
-            confirming: Some(earlier.confirming),
+            confirming: Some(Box::pin(async move {
+                earlier.confirming.await.map_err(|ended| {
+                    lapin::Error::from(std::io::Error::other(format!(
+                        "the abandoned publication's task ended: {ended}"
+                    )))
+                })?
+            })),
         };
         Some(in_flight.confirmation().await)
     }
-}
-
-async fn confirm(channel: &Channel) -> Result<(), BrokerError> {
-    channel
-        .confirm_select(ConfirmSelectOptions::default())
-        .await
-        .map_err(BrokerError::broker)
-}
-
-async fn confirmed_channel(connection: &Connection) -> Result<Channel, BrokerError> {
-    let channel = connection
-        .create_channel()
-        .await
-        .map_err(BrokerError::broker)?;
-    confirm(&channel).await?;
-    Ok(channel)
 }
 
 /// Returns the broker's refusal of `exchange` that `error` is, if it is one: RabbitMQ has no such
@@ -334,13 +302,13 @@ fn refused_exchange(error: &lapin::Error, exchange: &str) -> Option<PublishError
 
 impl Publisher for OutboxPublisher {
     async fn publish(&self, publication: &Publication) -> Result<(), PublishError> {
-        let (channel, connection, generation) = self.channel().await?;
+        let (channels, generation) = self.channels().await?;
         let destination = &publication.destination;
         let exchange = destination.exchange.as_str();
         let confirmation = match self.earlier(&publication.message_id, generation).await {
             Some(confirmation) => confirmation,
             None => {
-                if let Some(connection) = &connection {
+                if let Some(connection) = channels.connection() {
                     if connection.status().blocked() {
                         // Sent now, it would wait in the client's buffer and reach the broker
                         // after the alarm, whatever the relay made of it meanwhile.
@@ -350,7 +318,7 @@ impl Publisher for OutboxPublisher {
                     }
                     self.check_exchange(connection, exchange).await?;
                 }
-                let confirming = send(channel, publication);
+                let confirming = send(channels, publication);
                 let mut in_flight = InFlight {
                     publisher: self,
                     message_id: &publication.message_id,
@@ -393,8 +361,9 @@ impl Publisher for OutboxPublisher {
     }
 }
 
-/// Sends `publication` on `channel`: a future of its own data, which outlives the relay's wait.
-fn send(channel: Channel, publication: &Publication) -> Confirming {
+/// Sends `publication` on a channel of `channels`: a future of its own data, which outlives the
+/// relay's wait.
+fn send(channels: Arc<ConfirmChannels>, publication: &Publication) -> Confirming {
     let mut headers = FieldTable::default();
     for (name, value) in &publication.headers {
         headers.insert(
@@ -410,18 +379,8 @@ fn send(channel: Channel, publication: &Publication) -> Confirming {
     let routing_key = ShortString::from(publication.destination.routing_key.as_str());
     let payload = publication.payload.clone();
     Box::pin(async move {
-        channel
-            .basic_publish(
-                exchange,
-                routing_key,
-                BasicPublishOptions {
-                    mandatory: true,
-                    ..BasicPublishOptions::default()
-                },
-                &payload,
-                properties,
-            )
-            .await?
+        let lent = channels.lend().await?;
+        lent.publish(exchange, routing_key, &payload, properties)
             .await
     })
 }

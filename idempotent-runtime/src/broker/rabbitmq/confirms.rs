@@ -1,0 +1,175 @@
+//! Publishing with publisher confirms where a returned message is the publication's own: each
+//! channel carries at most one publication awaiting its confirmation.
+//!
+//! A `mandatory` publication that no queue takes comes back as `basic.return`, followed by its
+//! `basic.ack`. lapin hands a returned message to the confirmation it resolves next on the
+//! channel, and RabbitMQ confirms several publications of a channel with one `basic.ack`
+//! (`multiple`): with more than one publication unconfirmed on a channel, the return can reach
+//! another publication's confirmation, so that the unroutable message reads as confirmed (and is
+//! lost) and a routed one as returned. With one publication unconfirmed per channel there is no
+//! other confirmation for it to reach. [`ConfirmChannels`] keeps such channels: as many as are
+//! publishing at once, up to [`MAX_CHANNELS`], taken and given back per publication.
+
+use std::sync::{Arc, Mutex};
+
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::types::ShortString;
+use lapin::{BasicProperties, Channel, Confirmation, Connection};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+/// The most channels publishing at once on one connection; a publication beyond waits for one.
+pub(super) const MAX_CHANNELS: usize = 256;
+
+/// Channels in publisher-confirm mode, each lent to one publication at a time.
+pub(super) struct ConfirmChannels {
+    source: Source,
+    idle: Mutex<Vec<Channel>>,
+    permits: Arc<Semaphore>,
+}
+
+enum Source {
+    /// Opens channels on this connection, as many as are needed.
+    Connection(Arc<Connection>),
+    /// Has only this channel (already in confirm mode), lent to one publication at a time.
+    Channel,
+}
+
+/// A channel lent to one publication: given back when its confirmation came, closed when it did
+/// not (a publication still unconfirmed on it could be confirmed with another's).
+pub(super) struct Lent {
+    channel: Option<Channel>,
+    channels: Arc<ConfirmChannels>,
+    confirmed: bool,
+    _permit: OwnedSemaphorePermit,
+}
+
+impl ConfirmChannels {
+    /// Returns channels opened on `connection` when they are needed.
+    pub(super) fn on(connection: Arc<Connection>) -> Arc<Self> {
+        Arc::new(Self {
+            source: Source::Connection(connection),
+            idle: Mutex::default(),
+            permits: Arc::new(Semaphore::new(MAX_CHANNELS)),
+        })
+    }
+
+    /// Returns `channel` (in publisher-confirm mode) lent to one publication at a time.
+    pub(super) fn only(channel: Channel) -> Arc<Self> {
+        Arc::new(Self {
+            source: Source::Channel,
+            idle: Mutex::new(vec![channel]),
+            permits: Arc::new(Semaphore::new(1)),
+        })
+    }
+
+    /// Returns the connection the channels are opened on, if they are.
+    pub(super) fn connection(&self) -> Option<&Arc<Connection>> {
+        match &self.source {
+            Source::Connection(connection) => Some(connection),
+            Source::Channel => None,
+        }
+    }
+
+    /// Returns whether publications can go out: the connection is open (a single channel's
+    /// trouble is met by the publication itself).
+    pub(super) fn connected(&self) -> bool {
+        match &self.source {
+            Source::Connection(connection) => connection.status().connected(),
+            Source::Channel => true,
+        }
+    }
+
+    fn idle(&self) -> std::sync::MutexGuard<'_, Vec<Channel>> {
+        self.idle.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Lends a channel with no publication awaiting confirmation: an idle one, or a new one;
+    /// waits while [`MAX_CHANNELS`] are lent.
+    pub(super) async fn lend(self: &Arc<Self>) -> lapin::Result<Lent> {
+        let permit = self
+            .permits
+            .clone()
+            .acquire_owned()
+            .await
+            .expect("the semaphore is never closed");
+        let idle = {
+            let mut idle = self.idle();
+            match self.source {
+                // The only channel stays, open or not: its trouble is the publication's to meet.
+                Source::Channel => idle.pop(),
+                Source::Connection(_) => {
+                    idle.retain(|channel| channel.status().connected());
+                    idle.pop()
+                }
+            }
+        };
+        let channel = match (idle, &self.source) {
+            (Some(channel), _) => channel,
+            (None, Source::Connection(connection)) => {
+                let channel = connection.create_channel().await?;
+                channel
+                    .confirm_select(ConfirmSelectOptions::default())
+                    .await?;
+                channel
+            }
+            (None, Source::Channel) => unreachable!("the only channel is lent to one at a time"),
+        };
+        Ok(Lent {
+            channel: Some(channel),
+            channels: self.clone(),
+            confirmed: false,
+            _permit: permit,
+        })
+    }
+}
+
+impl Lent {
+    /// Publishes `payload` to `exchange` with `routing_key`, `mandatory` (an unroutable message is
+    /// returned), and waits for the broker's confirmation; the returned message in it, if any, is
+    /// this publication's.
+    pub(super) async fn publish(
+        mut self,
+        exchange: ShortString,
+        routing_key: ShortString,
+        payload: &[u8],
+        properties: BasicProperties,
+    ) -> lapin::Result<Confirmation> {
+        let channel = self.channel.as_ref().expect("lent until dropped");
+        let confirmation = channel
+            .basic_publish(
+                exchange,
+                routing_key,
+                BasicPublishOptions {
+                    mandatory: true,
+                    ..BasicPublishOptions::default()
+                },
+                payload,
+                properties,
+            )
+            .await?
+            .await?;
+        self.confirmed = true;
+        Ok(confirmation)
+    }
+}
+
+impl Drop for Lent {
+    fn drop(&mut self) {
+        let Some(channel) = self.channel.take() else {
+            return;
+        };
+        match self.channels.source {
+            // Nothing unconfirmed on it, or it is the only one there is.
+            _ if self.confirmed => self.channels.idle().push(channel),
+            Source::Channel => self.channels.idle().push(channel),
+            Source::Connection(_) => {
+                // A publication may still be confirmed on it: it is closed, not lent again.
+                if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                    runtime.spawn(async move {
+                        let _ = channel.close(200, "".into()).await;
+                    });
+                }
+            }
+        }
+    }
+}
