@@ -398,18 +398,7 @@ async fn a_dead_letter_that_cannot_be_published_waits_for_redelivery_and_the_res
     .await;
     assert!(!running.is_finished(), "the runner stopped");
     // The dead-letter queue is back: the poison message gets there.
-    channel
-        .queue_declare(
-            dead.as_str().into(),
-            QueueDeclareOptions::durable(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
-    eventually(Duration::from_secs(120), async || {
-        depth(&connection, &dead).await == 1
-    })
-    .await;
+    declare_again_until_it_holds(&connection, &channel, &dead, 1).await;
     shutdown.cancel();
     let stats = running.await.unwrap().unwrap();
     let letters = dead_letters(&channel, &dead).await;
@@ -451,6 +440,27 @@ async fn delete_once_declared(
         .queue_delete(dead.into(), Default::default())
         .await
         .unwrap();
+}
+
+/// Declares the dead-letter queue `dead` again, then waits until it holds `letters` messages.
+async fn declare_again_until_it_holds(
+    connection: &Connection,
+    channel: &lapin::Channel,
+    dead: &str,
+    letters: u32,
+) {
+    channel
+        .queue_declare(
+            dead.into(),
+            QueueDeclareOptions::durable(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    eventually(Duration::from_secs(120), async || {
+        depth(connection, dead).await == letters
+    })
+    .await;
 }
 
 /// RabbitMQ confirms several publications of a channel with one `basic.ack`, and lapin hands a
@@ -495,18 +505,7 @@ async fn returned_dead_letters_among_retries_in_flight_are_never_taken_for_confi
             0,
             "dead letters counted while their queue is missing"
         );
-        channel
-            .queue_declare(
-                dead.as_str().into(),
-                QueueDeclareOptions::durable(),
-                FieldTable::default(),
-            )
-            .await
-            .unwrap();
-        eventually(Duration::from_secs(120), async || {
-            depth(&connection, &dead).await == 5
-        })
-        .await;
+        declare_again_until_it_holds(&connection, &channel, &dead, 5).await;
         shutdown.cancel();
         let stats = running.await.unwrap().unwrap();
         let mut letters: Vec<String> = dead_letters(&channel, &dead)

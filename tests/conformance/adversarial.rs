@@ -247,12 +247,21 @@ pub async fn run_until_pending<F: std::future::Future>(future: F, n: usize) -> O
 /// that pool goes through, and each message has its effect exactly once.
 pub async fn handler_dropped_at_every_await_point_leaves_a_pool_of_one_working(h: impl Harness) {
     let inbox = h.inbox_of_one();
-    // A poll runs through as many await points as the server has answered by then: on a machine
-    // whose threads are descheduled for long (other work beside the tests), a sweep may meet
-    // one `Pending` only. Sweep again until one has met several (every sweep checks the same).
-    let mut most = 0;
-    for sweep in 1..=10 {
-        let drops = drop_at_every_await_point(&h, &inbox, sweep).await;
+    sweep_until_several_drops(async |sweep| drop_at_every_await_point(&h, &inbox, sweep).await)
+        .await;
+}
+
+/// Runs `sweep` (a sweep of drops at every await point, numbered from 1, returning how many drops
+/// it made) until one sweep made several, at most 10 times; returns how many calls the sweeps
+/// made in all (each sweep's drops and its last call, which ran to its end). A poll runs through
+/// as many await points as the server has answered by then: on a machine whose threads are
+/// descheduled for long (other work beside the tests), a sweep may meet fewer `Pending`s. Every
+/// sweep checks the same.
+pub async fn sweep_until_several_drops(mut sweep: impl AsyncFnMut(usize) -> usize) -> usize {
+    let (mut calls, mut most) = (0, 0);
+    for number in 1..=10 {
+        let drops = sweep(number).await;
+        calls += drops + 1;
         most = most.max(drops);
         if most >= 2 {
             break;
@@ -262,6 +271,7 @@ pub async fn handler_dropped_at_every_await_point_leaves_a_pool_of_one_working(h
         most >= 2,
         "the handler had at most {most} await points in 10 sweeps"
     );
+    calls
 }
 
 /// One sweep of [`handler_dropped_at_every_await_point_leaves_a_pool_of_one_working`]: how many
