@@ -68,8 +68,8 @@
 //!   ([`Inbox::call_once`]), stored responses and fingerprints ([Lifecycle](guide::lifecycle)).
 //! - **The transactional outbox** ([`outbox`]): follow-up messages commit with the effect, and a
 //!   relay publishes them at least once with stable ids ([Outbox](guide::outbox)).
-//! - **Broker runners** for RabbitMQ and NATS JetStream ([`broker`], features `rabbitmq`,
-//!   `nats`): the acknowledgement, retry and dead-letter rules, written once
+//! - **Broker runners** for RabbitMQ, NATS JetStream and Kafka ([`broker`], features `rabbitmq`,
+//!   `nats`, `kafka`): the acknowledgement, retry and dead-letter rules, written once
 //!   ([Brokers and runners](guide::brokers)).
 //! - **HTTP `Idempotency-Key`** routes ([`http`], feature `http`): a tower layer and axum
 //!   extractors on the same inbox ([HTTP APIs](guide::http)).
@@ -82,8 +82,8 @@
 //! - `sqlite` (default): the inbox on SQLite, compiled in.
 //! - `postgres`: the inbox on PostgreSQL.
 //! - `mysql`: the inbox on MySQL and MariaDB.
-//! - `rabbitmq`, `nats`: the broker runners for RabbitMQ and NATS JetStream, and the outbox's
-//!   publishers. The outbox itself needs no feature.
+//! - `rabbitmq`, `nats`, `kafka`: the broker runners for RabbitMQ, NATS JetStream and Kafka, and
+//!   the outbox's publishers. The outbox itself needs no feature.
 //! - `http`: the `http` module, a tower layer and axum extractors that make HTTP routes idempotent
 //!   by `Idempotency-Key` header, on the same inbox (PostgreSQL and SQLite).
 //!
@@ -91,7 +91,7 @@
 //!
 //! # The guides
 //! [Guarantees](guide::guarantees) · [Keys](guide::keys) ·
-//! [Brokers and runners](guide::brokers) (with `rabbitmq` or `nats`) · [Outbox](guide::outbox) ·
+//! [Brokers and runners](guide::brokers) (with `rabbitmq`, `nats` or `kafka`) · [Outbox](guide::outbox) ·
 //! [HTTP APIs](guide::http) (with `http`) ·
 //! [Lifecycle](guide::lifecycle) · [Operating](guide::operating) · [Storage](guide::storage) ·
 //! [Running at scale](guide::scale) · [Performance](guide::performance) ·
@@ -146,8 +146,11 @@ pub use idempotent_runtime::{
 // The transactional outbox.
 pub use idempotent_runtime::outbox;
 
-#[cfg(any(feature = "rabbitmq", feature = "nats"))]
-#[cfg_attr(docsrs, doc(cfg(any(feature = "rabbitmq", feature = "nats"))))]
+#[cfg(any(feature = "rabbitmq", feature = "nats", feature = "kafka"))]
+#[cfg_attr(
+    docsrs,
+    doc(cfg(any(feature = "rabbitmq", feature = "nats", feature = "kafka")))
+)]
 pub use idempotent_runtime::broker;
 #[cfg(feature = "http")]
 #[cfg_attr(docsrs, doc(cfg(feature = "http")))]
@@ -192,8 +195,11 @@ pub mod guide {
     #[doc = include_str!("../docs/keys.md")]
     pub mod keys {}
     #[doc = include_str!("../docs/brokers.md")]
-    #[cfg(any(feature = "rabbitmq", feature = "nats"))]
-    #[cfg_attr(docsrs, doc(cfg(any(feature = "rabbitmq", feature = "nats"))))]
+    #[cfg(any(feature = "rabbitmq", feature = "nats", feature = "kafka"))]
+    #[cfg_attr(
+        docsrs,
+        doc(cfg(any(feature = "rabbitmq", feature = "nats", feature = "kafka")))
+    )]
     pub mod brokers {}
     #[doc = include_str!("../docs/outbox.md")]
     pub mod outbox {}

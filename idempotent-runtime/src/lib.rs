@@ -7,8 +7,11 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod batch;
-#[cfg(any(feature = "rabbitmq", feature = "nats"))]
-#[cfg_attr(docsrs, doc(cfg(any(feature = "rabbitmq", feature = "nats"))))]
+#[cfg(any(feature = "rabbitmq", feature = "nats", feature = "kafka"))]
+#[cfg_attr(
+    docsrs,
+    doc(cfg(any(feature = "rabbitmq", feature = "nats", feature = "kafka")))
+)]
 pub mod broker;
 pub mod calls;
 mod clock;

@@ -99,7 +99,10 @@ pub fn describe() {
 }
 
 /// Counts a reconnect of a broker runner of `source` (a queue, a consumer) to `broker`.
-#[cfg_attr(not(any(feature = "rabbitmq", feature = "nats")), allow(dead_code))]
+#[cfg_attr(
+    not(any(feature = "rabbitmq", feature = "nats", feature = "kafka")),
+    allow(dead_code)
+)]
 pub(crate) fn runner_reconnected(broker: &'static str, source: &str) {
     ::metrics::counter!(RUNNER_RECONNECTS, "broker" => broker, "source" => source.to_owned())
         .increment(1);

@@ -1,8 +1,9 @@
 //! Broker runners: what a consumer does with each outcome, written once.
 //!
-//! A runner takes deliveries from a broker (a RabbitMQ queue, a NATS JetStream pull consumer: the
-//! `rabbitmq` and `nats` modules), hands each [`Message`] to a handler (typically an
-//! `#[idempotent]` function called with a worker's inbox, made with
+//! A runner takes deliveries from a broker (a RabbitMQ queue, a NATS JetStream pull consumer, Kafka
+//! topics in a consumer group: the `rabbitmq`, `nats` and `kafka` modules), hands each
+//! [`Message`] to a handler (typically an `#[idempotent]` function called with a worker's inbox,
+//! made with
 //! [`Inbox::for_worker`](crate::Inbox::for_worker)), and settles the delivery only once the outcome
 //! is known: acknowledged when processed or a duplicate, delivered again after a back-off
 //! ([`RetryPolicy`]) when the error [is retryable](crate::Error::is_retryable) and attempts are
@@ -14,6 +15,9 @@
 //! in the `idempotent-inbox` crate
 //! (<https://docs.rs/idempotent-inbox/latest/idempotent/guide/brokers/index.html>).
 
+#[cfg(feature = "kafka")]
+#[cfg_attr(docsrs, doc(cfg(feature = "kafka")))]
+pub mod kafka;
 #[cfg(feature = "nats")]
 #[cfg_attr(docsrs, doc(cfg(feature = "nats")))]
 pub mod nats;

@@ -16,9 +16,10 @@ pub const MAX_TEXT_LEN: usize = 255;
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub struct Destination {
-    /// The AMQP exchange; empty for the default exchange, and for NATS.
+    /// The AMQP exchange; empty for the default exchange, and for NATS and Kafka.
     pub exchange: String,
-    /// The AMQP routing key (with the default exchange: the queue's name), or the NATS subject.
+    /// The AMQP routing key (with the default exchange: the queue's name), the NATS subject, or
+    /// the Kafka topic.
     pub routing_key: String,
 }
 
@@ -39,6 +40,11 @@ impl Destination {
     /// Creates a destination: a NATS subject (which a JetStream stream captures).
     pub fn subject(subject: impl Into<String>) -> Self {
         Self::exchange("", subject)
+    }
+
+    /// Creates a destination: a Kafka topic (the message's ordering key is the record's key).
+    pub fn topic(topic: impl Into<String>) -> Self {
+        Self::exchange("", topic)
     }
 }
 

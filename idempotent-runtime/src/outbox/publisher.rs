@@ -1,6 +1,6 @@
 //! What a relay hands a broker: the [`Publisher`] trait, the [`Publication`] it publishes, and how
 //! a publication fails. A leaf: the broker's publishers (`broker/rabbitmq/publisher.rs`,
-//! `broker/nats/publisher.rs`) implement it, and the relay calls it.
+//! `broker/nats/publisher.rs`, `broker/kafka/publisher.rs`) implement it, and the relay calls it.
 
 use std::future::Future;
 
@@ -12,7 +12,7 @@ use crate::inbox::outgoing::Destination;
 pub struct Publication {
     /// The message's id: publish it as the broker's message id (AMQP `message_id`, NATS
     /// `Nats-Msg-Id`), so that the downstream consumer's inbox keys on it. The same on every
-    /// publication of this message.
+    /// publication of this message. (Kafka: the `message-id` header.)
     pub message_id: String,
     /// Where it goes.
     pub destination: Destination,
@@ -25,6 +25,24 @@ pub struct Publication {
     pub ordering_key: Option<String>,
     /// Which attempt this is, from 1: the broker refused it `attempt - 1` times before.
     pub attempt: u32,
+}
+
+impl Publication {
+    /// The first attempt at publishing `message` under the id `message_id`, as a relay hands it to
+    /// a publisher: for testing a [`Publisher`] on its own.
+    pub fn new(
+        message_id: impl Into<String>,
+        message: &crate::inbox::outgoing::OutgoingMessage,
+    ) -> Self {
+        Self {
+            message_id: message_id.into(),
+            destination: message.destination().clone(),
+            payload: message.payload().to_vec(),
+            headers: message.headers().to_vec(),
+            ordering_key: message.ordering_key().map(str::to_owned),
+            attempt: 1,
+        }
+    }
 }
 
 /// Why a publication failed.
@@ -69,10 +87,9 @@ impl PublishError {
 /// confirmed the message (RabbitMQ's publisher confirm of a persistent message, JetStream's
 /// publish acknowledgement), not that it was written to a socket.
 ///
-/// The implementations are `broker::rabbitmq::OutboxPublisher` and
-/// `broker::nats::OutboxPublisher` (features `rabbitmq` and `nats`); implement it for another
-/// broker (Kafka: produce with `acks=all` and wait for the delivery report, the message id in a
-/// header). A relay calls it concurrently for the messages of one batch.
+/// The implementations are `broker::rabbitmq::OutboxPublisher`, `broker::nats::OutboxPublisher`
+/// and `broker::kafka::OutboxPublisher` (features `rabbitmq`, `nats` and `kafka`); implement it for
+/// another broker. A relay calls it concurrently for the messages of one batch.
 pub trait Publisher: Send + Sync + 'static {
     /// Publishes `publication` and waits for the broker's confirmation.
     fn publish(

@@ -6,6 +6,8 @@
 pub mod amqp;
 #[cfg(feature = "nats")]
 pub mod jetstream;
+#[cfg(feature = "kafka")]
+pub mod kafka;
 
 use std::collections::HashMap;
 use std::path::PathBuf;

@@ -1,0 +1,426 @@
+//! The runner's hold on its partitions: the records fetched but not yet handed to a worker, what is
+//! in flight, and the offset each partition may commit. Plain data, with no Kafka client in it.
+//!
+//! The rules, each in one place:
+//! - A partition's records go to the workers in offset order, at most `in_flight` of them at once
+//!   (one, unless a single worker takes batches): records that succeed keep their partition's
+//!   order.
+//! - A record is handed out only once it is due: a retry waits for its delay on its retry topic,
+//!   and a record handed back (its retry or dead letter could not be published) waits for its
+//!   back-off, holding back the rest of its partition.
+//! - The offset a partition commits is its lowest unfinished record's (in flight, or held here),
+//!   or past its highest settled one when none is unfinished: a later record's commit never passes
+//!   an earlier unfinished one.
+//! - A revoked partition is forgotten: what was held is dropped (its new owner fetches it from the
+//!   committed offset), and what was in flight settles without committing.
+
+use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::sync::Arc;
+
+use rdkafka::message::OwnedMessage;
+use tokio::time::Instant;
+
+/// A topic's partition.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(super) struct TopicPartition {
+    pub(super) topic: Arc<str>,
+    pub(super) partition: i32,
+}
+
+/// A record handed to a worker: where it came from, and which hold on its partition it belongs to.
+#[derive(Debug)]
+pub(super) struct Lease {
+    pub(super) partition: TopicPartition,
+    pub(super) hold: u64,
+    pub(super) record: OwnedMessage,
+}
+
+/// What the consumer must do after a change: pause or resume fetching a partition.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Fetching {
+    Pause(TopicPartition),
+    Resume(TopicPartition),
+}
+
+#[derive(Debug)]
+struct Held {
+    offset: i64,
+    due: Option<Instant>,
+    record: OwnedMessage,
+}
+
+#[derive(Debug)]
+struct Partition {
+    /// Which hold this is: a partition revoked and assigned again is a new hold, and what was in
+    /// flight from the old one settles without effect.
+    hold: u64,
+    /// Fetched, not handed out: in offset order.
+    held: VecDeque<Held>,
+    in_flight: BTreeSet<i64>,
+    /// The highest offset settled.
+    settled: Option<i64>,
+    /// The offset last given to commit (at first, the one fetching started at).
+    committed: Option<i64>,
+    paused: bool,
+}
+
+impl Partition {
+    /// The offset to commit: the lowest unfinished record's, or past the highest settled one.
+    fn commit_offset(&self) -> Option<i64> {
+        let lowest_held = self.held.front().map(|held| held.offset);
+        let lowest_in_flight = self.in_flight.first().copied();
+        match (lowest_held, lowest_in_flight) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (Some(a), None) | (None, Some(a)) => Some(a),
+            (None, None) => self.settled.map(|offset| offset + 1),
+        }
+    }
+
+    fn insert_held(&mut self, held: Held) {
+        let at = self
+            .held
+            .partition_point(|other| other.offset < held.offset);
+        if self
+            .held
+            .get(at)
+            .is_some_and(|other| other.offset == held.offset)
+        {
+            // Fetched again (a seek back): the one here already stands for it.
+            return;
+        }
+        self.held.insert(at, held);
+    }
+}
+
+/// The runner's partitions; see the [module docs](self).
+#[derive(Debug)]
+pub(super) struct Partitions {
+    partitions: HashMap<TopicPartition, Partition>,
+    /// The partitions in the order they are offered to workers, each in turn.
+    order: Vec<TopicPartition>,
+    next_turn: usize,
+    next_hold: u64,
+    in_flight: usize,
+    pause_above: usize,
+}
+
+impl Partitions {
+    /// Partitions each with at most `in_flight` records at once with the workers, whose fetching
+    /// pauses while more than `pause_above` records wait here.
+    pub(super) fn new(in_flight: usize, pause_above: usize) -> Self {
+        Self {
+            partitions: HashMap::new(),
+            order: Vec::new(),
+            next_turn: 0,
+            next_hold: 0,
+            in_flight: in_flight.max(1),
+            pause_above: pause_above.max(1),
+        }
+    }
+
+    /// Holds a fetched `record` of `partition` (due at `due`, when it is a retry's) until a worker
+    /// takes it.
+    pub(super) fn fetched(
+        &mut self,
+        partition: TopicPartition,
+        record: OwnedMessage,
+        due: Option<Instant>,
+    ) -> Option<Fetching> {
+        use rdkafka::Message as _;
+        let offset = record.offset();
+        let pause_above = self.pause_above;
+        let entry = self.entry(partition.clone());
+        if entry.in_flight.contains(&offset) {
+            // Fetched again while a worker has it (the consumer seeked back): it stands for itself.
+            return None;
+        }
+        // Where the partition started: nothing before it is this hold's to commit.
+        entry.committed.get_or_insert(offset);
+        entry.insert_held(Held {
+            offset,
+            due,
+            record,
+        });
+        if !entry.paused && entry.held.len() > pause_above {
+            entry.paused = true;
+            return Some(Fetching::Pause(partition));
+        }
+        None
+    }
+
+    fn entry(&mut self, partition: TopicPartition) -> &mut Partition {
+        if !self.partitions.contains_key(&partition) {
+            self.next_hold += 1;
+            self.order.push(partition.clone());
+        }
+        let hold = self.next_hold;
+        self.partitions
+            .entry(partition)
+            .or_insert_with(|| Partition {
+                hold,
+                held: VecDeque::new(),
+                in_flight: BTreeSet::new(),
+                settled: None,
+                committed: None,
+                paused: false,
+            })
+    }
+
+    /// The next record a worker may take at `now`, partitions each in turn; with what fetching
+    /// must do.
+    pub(super) fn next_due(&mut self, now: Instant) -> Option<(Lease, Option<Fetching>)> {
+        let count = self.order.len();
+        for turn in 0..count {
+            let index = (self.next_turn + turn) % count;
+            let key = &self.order[index];
+            let partition = self
+                .partitions
+                .get_mut(key)
+                .expect("ordered partitions are held");
+            let ready = partition.in_flight.len() < self.in_flight
+                && partition
+                    .held
+                    .front()
+                    .is_some_and(|held| held.due.is_none_or(|due| due <= now));
+            if !ready {
+                continue;
+            }
+            let held = partition.held.pop_front().expect("a record is held");
+            partition.in_flight.insert(held.offset);
+            let resume =
+                (partition.paused && partition.held.len() <= self.pause_above / 2).then(|| {
+                    partition.paused = false;
+                    Fetching::Resume(key.clone())
+                });
+            self.next_turn = index + 1;
+            let lease = Lease {
+                partition: key.clone(),
+                hold: partition.hold,
+                record: held.record,
+            };
+            return Some((lease, resume));
+        }
+        None
+    }
+
+    /// When the earliest held record that waits for its time is due.
+    pub(super) fn next_wake(&self) -> Option<Instant> {
+        self.partitions
+            .values()
+            .filter(|partition| partition.in_flight.len() < self.in_flight)
+            .filter_map(|partition| partition.held.front().and_then(|held| held.due))
+            .min()
+    }
+
+    /// Notes that the record at `offset` of `partition` (taken under `hold`) is settled; returns
+    /// the offset the partition may now commit, when it moved.
+    pub(super) fn settled(
+        &mut self,
+        partition: &TopicPartition,
+        hold: u64,
+        offset: i64,
+    ) -> Option<i64> {
+        let partition = self
+            .partitions
+            .get_mut(partition)
+            .filter(|held| held.hold == hold)?;
+        if !partition.in_flight.remove(&offset) {
+            return None;
+        }
+        partition.settled = Some(partition.settled.map_or(offset, |s| s.max(offset)));
+        let commit = partition.commit_offset()?;
+        if partition
+            .committed
+            .is_some_and(|committed| committed >= commit)
+        {
+            return None;
+        }
+        partition.committed = Some(commit);
+        Some(commit)
+    }
+
+    /// Takes back a record a worker could not settle, to be handed out again at `due`, before the
+    /// rest of its partition.
+    pub(super) fn handed_back(&mut self, lease: Lease, due: Instant) {
+        use rdkafka::Message as _;
+        let Some(partition) = self
+            .partitions
+            .get_mut(&lease.partition)
+            .filter(|held| held.hold == lease.hold)
+        else {
+            return;
+        };
+        let offset = lease.record.offset();
+        if partition.in_flight.remove(&offset) {
+            partition.insert_held(Held {
+                offset,
+                due: Some(due),
+                record: lease.record,
+            });
+        }
+    }
+
+    /// Forgets `revoked` partitions; returns those whose fetching was paused.
+    pub(super) fn revoked(&mut self, revoked: &[TopicPartition]) -> Vec<TopicPartition> {
+        let mut paused = Vec::new();
+        for key in revoked {
+            if let Some(partition) = self.partitions.remove(key)
+                && partition.paused
+            {
+                paused.push(key.clone());
+            }
+        }
+        self.order.retain(|key| self.partitions.contains_key(key));
+        self.next_turn = 0;
+        paused
+    }
+
+    /// Forgets every partition (the runner is stopping): what is held is fetched again by whoever
+    /// consumes next, from the committed offsets.
+    pub(super) fn clear(&mut self) {
+        self.partitions.clear();
+        self.order.clear();
+    }
+
+    /// How many records are held, not yet handed out.
+    #[cfg(test)]
+    fn held(&self) -> usize {
+        self.partitions.values().map(|p| p.held.len()).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rdkafka::Timestamp;
+    use rdkafka::message::OwnedMessage;
+    use std::time::Duration;
+
+    fn tp(partition: i32) -> TopicPartition {
+        TopicPartition {
+            topic: Arc::from("t"),
+            partition,
+        }
+    }
+
+    fn record(partition: i32, offset: i64) -> OwnedMessage {
+        OwnedMessage::new(
+            None,
+            None,
+            "t".into(),
+            Timestamp::NotAvailable,
+            partition,
+            offset,
+            None,
+        )
+    }
+
+    fn take(partitions: &mut Partitions, now: Instant) -> Option<(i32, i64, u64)> {
+        use rdkafka::Message as _;
+        partitions
+            .next_due(now)
+            .map(|(lease, _)| (lease.partition.partition, lease.record.offset(), lease.hold))
+    }
+
+    #[test]
+    fn one_record_of_a_partition_at_a_time_in_offset_order_partitions_in_turn() {
+        let now = Instant::now();
+        let mut partitions = Partitions::new(1, 100);
+        for offset in 0..3 {
+            partitions.fetched(tp(0), record(0, offset), None);
+            partitions.fetched(tp(1), record(1, offset), None);
+        }
+        let (p, o, h0) = take(&mut partitions, now).unwrap();
+        assert_eq!((p, o), (0, 0));
+        let (p, o, h1) = take(&mut partitions, now).unwrap();
+        assert_eq!((p, o), (1, 0));
+        assert_eq!(
+            take(&mut partitions, now),
+            None,
+            "each partition has one in flight"
+        );
+        assert_eq!(partitions.settled(&tp(1), h1, 0), Some(1));
+        assert_eq!(take(&mut partitions, now).map(|t| (t.0, t.1)), Some((1, 1)));
+        assert_eq!(partitions.settled(&tp(0), h0, 0), Some(1));
+    }
+
+    #[test]
+    fn a_later_commit_never_passes_an_earlier_unfinished_record() {
+        let now = Instant::now();
+        let mut partitions = Partitions::new(3, 100);
+        for offset in 10..13 {
+            partitions.fetched(tp(0), record(0, offset), None);
+        }
+        let leases: Vec<_> = (0..3)
+            .map(|_| take(&mut partitions, now).unwrap())
+            .collect();
+        let hold = leases[0].2;
+        assert_eq!(
+            partitions.settled(&tp(0), hold, 12),
+            None,
+            "10 and 11 are in flight"
+        );
+        assert_eq!(
+            partitions.settled(&tp(0), hold, 11),
+            None,
+            "10 is in flight"
+        );
+        assert_eq!(partitions.settled(&tp(0), hold, 10), Some(13));
+    }
+
+    #[test]
+    fn a_handed_back_record_holds_its_partition_until_it_is_due() {
+        let now = Instant::now();
+        let mut partitions = Partitions::new(1, 100);
+        partitions.fetched(tp(0), record(0, 0), None);
+        partitions.fetched(tp(0), record(0, 1), None);
+        let (lease, _) = partitions.next_due(now).unwrap();
+        partitions.handed_back(lease, now + Duration::from_secs(1));
+        assert_eq!(
+            take(&mut partitions, now),
+            None,
+            "offset 0 is not due; 1 waits behind it"
+        );
+        assert_eq!(partitions.next_wake(), Some(now + Duration::from_secs(1)));
+        let later = now + Duration::from_secs(1);
+        assert_eq!(take(&mut partitions, later).map(|t| t.1), Some(0));
+    }
+
+    #[test]
+    fn a_revoked_partition_is_forgotten_and_its_leases_settle_without_committing() {
+        let now = Instant::now();
+        let mut partitions = Partitions::new(1, 100);
+        partitions.fetched(tp(0), record(0, 0), None);
+        partitions.fetched(tp(0), record(0, 1), None);
+        let (_, _, old) = take(&mut partitions, now).unwrap();
+        partitions.revoked(&[tp(0)]);
+        assert_eq!(partitions.held(), 0);
+        // Assigned again: a new hold, fetched from the committed offset.
+        partitions.fetched(tp(0), record(0, 0), None);
+        assert_eq!(partitions.settled(&tp(0), old, 0), None);
+        let (_, offset, new) = take(&mut partitions, now).unwrap();
+        assert_ne!(old, new);
+        assert_eq!(partitions.settled(&tp(0), new, offset), Some(1));
+    }
+
+    #[test]
+    fn fetching_pauses_above_the_limit_and_resumes_at_half() {
+        let now = Instant::now();
+        let mut partitions = Partitions::new(1, 4);
+        let mut changes = Vec::new();
+        for offset in 0..6 {
+            changes.extend(partitions.fetched(tp(0), record(0, offset), None));
+        }
+        assert_eq!(changes, [Fetching::Pause(tp(0))]);
+        let mut resumed = None;
+        let mut hold = 0;
+        for offset in 0..4 {
+            let (lease, change) = partitions.next_due(now).unwrap();
+            hold = lease.hold;
+            partitions.settled(&tp(0), hold, offset);
+            resumed = resumed.or(change);
+        }
+        assert_eq!(resumed, Some(Fetching::Resume(tp(0))));
+        let _ = hold;
+    }
+}
