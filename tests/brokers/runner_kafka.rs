@@ -4,7 +4,9 @@
 //! retry topics that hold back nothing else, the poison and bad input (no key, a malformed body, a
 //! 1 MB body) dead-lettered with their reason, nothing left uncommitted at the end; graceful
 //! shutdown and a second runner taking over; a second runner joining and leaving mid-stream (a
-//! rebalance); every broker down mid-stream; a dead-letter topic that cannot be made.
+//! rebalance); every broker down mid-stream; a dead letter the broker refuses three times (tried
+//! again after its back-off, its partition held, the other flowing); a dead-letter topic that
+//! cannot be made.
 #![cfg(all(feature = "kafka", feature = "sqlite"))]
 
 mod support;
@@ -185,17 +187,7 @@ async fn a_retry_waits_its_delay_on_its_retry_topic_and_holds_back_nothing() {
     .await;
     shutdown.cancel();
     let stats = running.await.unwrap().unwrap();
-    let attempts = shop.attempts_of("flaky");
-    let numbers: Vec<u32> = attempts.iter().map(|a| a.attempt).collect();
-    assert_eq!(numbers, [1, 2, 3]);
-    for (pair, delay) in attempts.windows(2).zip([300, 600]) {
-        let waited = pair[1].at - pair[0].at;
-        assert!(
-            waited >= Duration::from_millis(delay),
-            "attempt {} came {waited:?} after the one before, not after {delay} ms",
-            pair[1].attempt
-        );
-    }
+    shop.assert_retried_after("flaky", &[300, 600]);
     // The partition went on while the retry waited.
     let order = committed_in_order(&shop).await;
     assert_eq!(order.last().map(String::as_str), Some("flaky"), "{order:?}");
@@ -345,6 +337,68 @@ async fn every_broker_down_mid_stream_loses_nothing_and_the_runner_comes_back() 
         stats().reconnects >= 1,
         "the outage was not noticed: {:?}",
         stats()
+    );
+    nothing_left_uncommitted(&kafka, &group, &topic).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_the_broker_refuses_is_tried_again_and_holds_back_only_its_partition() {
+    let kafka = Kafka::mock();
+    let topic = kafka.topic("refused", 2).await;
+    let group = format!("{topic}-ledger");
+    let shop = Shop::new().await;
+    kafka.produce_to(&topic, 0, "poison", Kind::Poison).await;
+    for i in 0..5 {
+        kafka
+            .produce_to(&topic, 0, &format!("behind-{i}"), Kind::Ok)
+            .await;
+        kafka
+            .produce_to(&topic, 1, &format!("free-{i}"), Kind::Ok)
+            .await;
+    }
+    // The runner's dead letter, its first three times: nothing else produces meanwhile.
+    kafka.refuse_produce(3);
+    let shutdown = Shutdown::new();
+    let runner = runner(&kafka, &group, &topic);
+    let stats = runner.stats();
+    let running = spawn(runner, &shop, 2, &shutdown);
+    // The other partition flows while the poison's dead letter is refused and waits its back-off.
+    eventually(Duration::from_secs(30), async || {
+        (0..5).all(|i| shop.attempts_of(&format!("free-{i}")).len() == 1)
+    })
+    .await;
+    let dead = format!("{topic}.dead");
+    eventually(Duration::from_secs(60), async || {
+        kafka.records(&dead).await.len() == 1 && shop.effects().await.contains_key("behind-4")
+    })
+    .await;
+    shutdown.cancel();
+    running.await.unwrap().unwrap();
+    assert_eq!(stats().released, 3, "{:?}", stats());
+    assert_eq!(stats().dead_lettered, 1);
+    let effects = shop.effects().await;
+    assert!(effects.values().all(|count| *count == 1), "{effects:?}");
+    assert!(!effects.contains_key("poison"));
+    // Its partition waited for it: the records behind the poison ran after its dead letter.
+    let order = committed_in_order(&shop).await;
+    let behind: Vec<&String> = order
+        .iter()
+        .filter(|id| id.starts_with("behind-"))
+        .collect();
+    assert_eq!(
+        behind,
+        ["behind-0", "behind-1", "behind-2", "behind-3", "behind-4"]
+    );
+    let poison_attempts = shop.attempts_of("poison");
+    let first_behind = shop.attempts_of("behind-0");
+    assert_eq!(
+        poison_attempts.len(),
+        4,
+        "the handler ran again with each try of its dead letter"
+    );
+    assert!(
+        first_behind[0].at > poison_attempts[3].at,
+        "a record passed the poison"
     );
     nothing_left_uncommitted(&kafka, &group, &topic).await;
 }

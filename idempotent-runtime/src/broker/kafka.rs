@@ -92,7 +92,6 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use rdkafka::consumer::{CommitMode, Consumer as _, StreamConsumer};
-use rdkafka::message::Headers as _;
 use rdkafka::producer::{FutureProducer, Producer as _};
 use rdkafka::{Message as _, TopicPartitionList};
 use tokio::sync::Notify;
@@ -288,16 +287,14 @@ impl Runner {
                 .unwrap_or_else(|| format!("{}.retry", self.group)),
             &self.options.retry,
         );
-        let retry_names = retry.names();
-        let producer: FutureProducer = self
-            .producer_config()
+        let producer: FutureProducer = producer_config(&self.client, self.options.publish_timeout)
             .create()
             .map_err(BrokerError::broker)?;
         topics::ensure(
             &self.client,
             &producer,
             &self.topics,
-            &retry_names,
+            retry.names(),
             &self.dead_letters,
             &shutdown,
         )
@@ -332,7 +329,7 @@ impl Runner {
         let subscribed: Vec<&str> = self
             .topics
             .iter()
-            .chain(&retry_names)
+            .chain(retry.names())
             .map(String::as_str)
             .collect();
         consumer
@@ -344,7 +341,6 @@ impl Runner {
             wake,
             producer: producer.clone(),
             retry,
-            retry_names: retry_names.into_iter().collect(),
             dead_letters: self.dead_letters.clone(),
             message_id_header: self.message_id_header.clone(),
             publish_timeout: self.options.publish_timeout,
@@ -387,16 +383,36 @@ impl Runner {
         }
         config
     }
+}
 
-    fn producer_config(&self) -> ClientConfig {
-        let mut config = self.client.clone();
-        let timeout = self.options.publish_timeout.as_millis().max(1);
-        config
-            .set("acks", "all")
-            .set("enable.idempotence", "true")
-            .set("message.timeout.ms", timeout.to_string());
-        config
-    }
+/// The settings of every producer of this module (the runner's retries and dead letters, the
+/// outbox's publisher): `client`'s, with `acks=all`, the idempotent producer, and a delivery
+/// timeout of `timeout`.
+fn producer_config(client: &ClientConfig, timeout: Duration) -> ClientConfig {
+    let mut config = client.clone();
+    config
+        .set("acks", "all")
+        .set("enable.idempotence", "true")
+        .set("message.timeout.ms", timeout.as_millis().max(1).to_string());
+    config
+}
+
+/// Whether a producer's error is the broker refusing the record (its topic, its size, its
+/// rights), not the broker being away.
+fn refused(error: &rdkafka::error::KafkaError) -> bool {
+    use rdkafka::types::RDKafkaErrorCode;
+    matches!(
+        error.rdkafka_error_code(),
+        Some(
+            RDKafkaErrorCode::UnknownTopicOrPartition
+                | RDKafkaErrorCode::UnknownTopic
+                | RDKafkaErrorCode::TopicAuthorizationFailed
+                | RDKafkaErrorCode::InvalidTopic
+                | RDKafkaErrorCode::MessageSizeTooLarge
+                | RDKafkaErrorCode::InvalidMessageSize
+                | RDKafkaErrorCode::InvalidRecord
+        )
+    )
 }
 
 /// Records held per partition above which its fetching pauses.
@@ -462,7 +478,7 @@ impl Fetch {
             topic: record.topic().into(),
             partition: record.partition(),
         };
-        let due = if self.settling.is_retry(record.topic()) {
+        let due = if self.settling.retry.contains(record.topic()) {
             due_at(&record)
         } else {
             None
@@ -471,6 +487,7 @@ impl Fetch {
         self.apply(change);
     }
 
+    /// Says what went wrong: a missing topic once each, the broker's trouble as an outage.
     fn failed(&mut self, error: &rdkafka::error::KafkaError) {
         use rdkafka::types::RDKafkaErrorCode;
         if error.rdkafka_error_code() == Some(RDKafkaErrorCode::UnknownTopicOrPartition) {
@@ -479,7 +496,7 @@ impl Fetch {
                 tracing::warn!(error = said, "a topic the runner consumes is missing");
             }
         } else {
-            tracing::warn!(%error, "could not fetch from Kafka");
+            self.settling.consumer.context().failed(error);
         }
     }
 
@@ -513,12 +530,7 @@ async fn sleep_until(at: Option<tokio::time::Instant>) {
 
 /// When a retry is due, from its [`DUE_HEADER`]; `None` (now) without one.
 fn due_at(record: &rdkafka::message::OwnedMessage) -> Option<tokio::time::Instant> {
-    let due = record
-        .headers()?
-        .iter()
-        .filter(|header| header.key == DUE_HEADER)
-        .filter_map(|header| std::str::from_utf8(header.value?).ok()?.parse::<u64>().ok())
-        .last()?;
+    let due: u64 = delivery::header(record, DUE_HEADER)?.parse().ok()?;
     let now = SystemTime::now().duration_since(UNIX_EPOCH).ok()?;
     let wait = Duration::from_millis(due).saturating_sub(now);
     // A clock far off (or a header forged far into the future) waits no longer than an hour.

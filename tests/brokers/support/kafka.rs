@@ -95,6 +95,25 @@ impl Kafka {
             .await
     }
 
+    /// Produces a record with the message id `id` and an order of `kind` to `partition` of
+    /// `topic`.
+    pub async fn produce_to(&self, topic: &str, partition: i32, id: &str, kind: Kind) {
+        let headers = OwnedHeaders::new().insert(Header {
+            key: "message-id",
+            value: Some(id.as_bytes()),
+        });
+        let payload = Order::payload(kind);
+        let record = FutureRecord::<(), _>::to(topic)
+            .partition(partition)
+            .payload(&payload)
+            .headers(headers);
+        self.producer
+            .send(record, Duration::from_secs(10))
+            .await
+            .map_err(|(error, _)| error)
+            .expect("produced");
+    }
+
     /// Produces a record with any payload.
     pub async fn produce_raw(&self, topic: &str, key: &str, id: Option<&str>, payload: &[u8]) {
         let mut headers = OwnedHeaders::new();
@@ -189,6 +208,16 @@ impl Kafka {
             )
             .unwrap();
         }
+    }
+
+    /// On a mock cluster: refuses the next `count` produce requests, whoever makes them, as too
+    /// large.
+    pub fn refuse_produce(&self, count: usize) {
+        let mock = self.mock.as_ref().expect("a mock cluster");
+        mock.request_errors(
+            rdkafka::types::RDKafkaApiKey::Produce,
+            &vec![rdkafka::types::RDKafkaRespErr::RD_KAFKA_RESP_ERR_MSG_SIZE_TOO_LARGE; count],
+        );
     }
 
     /// Takes every broker down, as a broker restart does.

@@ -174,6 +174,24 @@ impl Shop {
         }
     }
 
+    /// Asserts that the handlers saw `message_id` on attempts 1, 2, … one more than `delays`, each
+    /// at least its delay (in milliseconds) after the one before: retried after the back-off, not
+    /// at once.
+    pub fn assert_retried_after(&self, message_id: &str, delays: &[u64]) {
+        let attempts = self.attempts_of(message_id);
+        let numbers: Vec<u32> = attempts.iter().map(|a| a.attempt).collect();
+        let expected: Vec<u32> = (1..=delays.len() as u32 + 1).collect();
+        assert_eq!(numbers, expected);
+        for (pair, delay) in attempts.windows(2).zip(delays) {
+            let waited = pair[1].at - pair[0].at;
+            assert!(
+                waited >= Duration::from_millis(*delay),
+                "attempt {} came {waited:?} after the one before, not after the back-off of {delay} ms",
+                pair[1].attempt
+            );
+        }
+    }
+
     /// The attempts the handlers saw of `message_id`: their numbers, in order.
     pub fn attempt_numbers(&self, message_id: &str) -> Vec<u32> {
         self.attempts_of(message_id)

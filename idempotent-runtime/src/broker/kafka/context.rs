@@ -23,10 +23,16 @@ pub(crate) struct RunnerContext {
 impl RunnerContext {
     /// Notes that the broker answers again.
     pub(super) fn restored(&self) {
-        self.outage
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .restored();
+        self.outage().restored();
+    }
+
+    /// Notes that the broker failed with `error`: said once at `warn` until it answers again.
+    pub(super) fn failed(&self, error: &(dyn std::error::Error + 'static)) {
+        self.outage().failed(error);
+    }
+
+    fn outage(&self) -> std::sync::MutexGuard<'_, Outage> {
+        self.outage.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
@@ -42,11 +48,7 @@ impl ClientContext for RunnerContext {
             )
         );
         if away {
-            let error = std::io::Error::other(format!("{error}: {reason}"));
-            self.outage
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .failed(&error);
+            self.failed(&std::io::Error::other(format!("{error}: {reason}")));
         } else {
             tracing::warn!(%error, reason, "the Kafka client reported an error");
         }

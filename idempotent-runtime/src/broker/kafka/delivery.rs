@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use rdkafka::consumer::{Consumer as _, StreamConsumer};
-use rdkafka::message::{Header, Headers as _, OwnedHeaders};
+use rdkafka::message::{Header, Headers as _, OwnedHeaders, OwnedMessage};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::{Message as _, Offset, TopicPartitionList};
@@ -20,7 +20,7 @@ use super::partitions::{Lease, Partitions};
 use super::topics::RetryTopics;
 use super::{
     ATTEMPT_HEADER, ATTEMPTS_HEADER, DUE_HEADER, OFFSET_HEADER, PARTITION_HEADER, REASON_HEADER,
-    TOPIC_HEADER,
+    TOPIC_HEADER, refused,
 };
 use crate::markers::DeliveryTag;
 
@@ -31,8 +31,6 @@ pub(super) struct Settling {
     pub(super) wake: Arc<Notify>,
     pub(super) producer: FutureProducer,
     pub(super) retry: RetryTopics,
-    /// The names of the retry topics.
-    pub(super) retry_names: std::collections::HashSet<String>,
     pub(super) dead_letters: String,
     pub(super) message_id_header: String,
     pub(super) publish_timeout: Duration,
@@ -42,11 +40,6 @@ impl Settling {
     pub(super) fn partitions(&self) -> std::sync::MutexGuard<'_, Partitions> {
         self.partitions.lock().unwrap_or_else(|e| e.into_inner())
     }
-
-    /// Whether `topic` is one of the runner's retry topics.
-    pub(super) fn is_retry(&self, topic: &str) -> bool {
-        self.retry_names.contains(topic)
-    }
 }
 
 /// A record a worker has.
@@ -55,14 +48,19 @@ pub(super) struct KafkaDelivery {
     pub(super) settling: Arc<Settling>,
 }
 
+/// The value of the last header `name` of `record`, when it is text.
+pub(super) fn header<'a>(record: &'a OwnedMessage, name: &str) -> Option<&'a str> {
+    record
+        .headers()?
+        .iter()
+        .filter(|header| header.key == name)
+        .filter_map(|header| std::str::from_utf8(header.value?).ok())
+        .last()
+}
+
 impl KafkaDelivery {
     fn header(&self, name: &str) -> Option<&str> {
-        let headers = self.lease.record.headers()?;
-        headers
-            .iter()
-            .filter(|header| header.key == name)
-            .filter_map(|header| std::str::from_utf8(header.value?).ok())
-            .last()
+        header(&self.lease.record, name)
     }
 
     /// Publishes the record to `topic` with its headers, less the runner's own, and `extra`;
@@ -99,21 +97,17 @@ impl KafkaDelivery {
         match tokio::time::timeout(after, sent).await {
             Err(_) => Err(BrokerError::Timeout { what, after }),
             Ok(Ok(_)) => Ok(()),
-            Ok(Err((error, _))) => Err(match error.rdkafka_error_code() {
-                Some(
-                    RDKafkaErrorCode::UnknownTopicOrPartition
-                    | RDKafkaErrorCode::UnknownTopic
-                    | RDKafkaErrorCode::TopicAuthorizationFailed
-                    | RDKafkaErrorCode::MessageSizeTooLarge
-                    | RDKafkaErrorCode::InvalidMessageSize
-                    | RDKafkaErrorCode::InvalidRecord,
-                ) => {
-                    tracing::warn!(%error, topic, "the broker refused a {what}");
-                    BrokerError::Refused { what }
-                }
-                Some(RDKafkaErrorCode::MessageTimedOut) => BrokerError::Timeout { what, after },
-                _ => BrokerError::broker(error),
-            }),
+            Ok(Err((error, _))) if refused(&error) => {
+                tracing::warn!(%error, topic, "the broker refused a {what}");
+                Err(BrokerError::Refused { what })
+            }
+            Ok(Err((error, _))) => Err(
+                if error.rdkafka_error_code() == Some(RDKafkaErrorCode::MessageTimedOut) {
+                    BrokerError::Timeout { what, after }
+                } else {
+                    BrokerError::broker(error)
+                },
+            ),
         }
     }
 
@@ -153,7 +147,7 @@ impl Delivery for KafkaDelivery {
             .header(name)
             .filter(|id| !id.is_empty())
             .ok_or_else(|| format!("the record has no {name} header: it has no key"))?;
-        let attempt = if self.settling.is_retry(record.topic()) {
+        let attempt = if self.settling.retry.contains(record.topic()) {
             self.header(ATTEMPT_HEADER)
                 .and_then(|attempt| attempt.parse::<u32>().ok())
                 .filter(|attempt| *attempt >= 1)
@@ -192,7 +186,7 @@ impl Delivery for KafkaDelivery {
         let record = &self.lease.record;
         // Where the record first came from: a retry keeps the topic it was retried from.
         let source = match self.header(TOPIC_HEADER) {
-            Some(source) if self.settling.is_retry(record.topic()) => source.to_owned(),
+            Some(source) if self.settling.retry.contains(record.topic()) => source.to_owned(),
             _ => record.topic().to_owned(),
         };
         match route {
@@ -203,10 +197,12 @@ impl Delivery for KafkaDelivery {
                     .duration_since(UNIX_EPOCH)
                     .unwrap_or_default()
                     .as_millis();
+                // A policy that retries has a retry topic for each of its delays.
                 let topic = self.settling.retry.topic(*after);
+                let topic = topic.ok_or(BrokerError::Refused { what: "retry" })?;
                 self.publish(
                     "retry",
-                    &topic,
+                    topic,
                     &[
                         (ATTEMPT_HEADER, attempt.to_string()),
                         (DUE_HEADER, due.to_string()),

@@ -413,14 +413,11 @@ mod tests {
         }
         assert_eq!(changes, [Fetching::Pause(tp(0))]);
         let mut resumed = None;
-        let mut hold = 0;
         for offset in 0..4 {
             let (lease, change) = partitions.next_due(now).unwrap();
-            hold = lease.hold;
-            partitions.settled(&tp(0), hold, offset);
+            partitions.settled(&tp(0), lease.hold, offset);
             resumed = resumed.or(change);
         }
         assert_eq!(resumed, Some(Fetching::Resume(tp(0))));
-        let _ = hold;
     }
 }

@@ -6,9 +6,8 @@ use rdkafka::ClientConfig;
 use rdkafka::error::KafkaError;
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
-use rdkafka::types::RDKafkaErrorCode;
 
-use super::MESSAGE_ID_HEADER;
+use super::{MESSAGE_ID_HEADER, producer_config, refused};
 use crate::outbox::{Publication, PublishError, Publisher};
 
 /// Publishes a relay's outgoing messages to Kafka (an [`outbox`](crate::outbox) [`Publisher`]):
@@ -43,13 +42,8 @@ impl OutboxPublisher {
     /// Creates a publisher with the client settings of `client` (`bootstrap.servers` at least),
     /// with `acks=all`, `enable.idempotence=true` and a delivery timeout of `timeout`.
     pub fn new(client: &ClientConfig, timeout: Duration) -> Result<Self, KafkaError> {
-        let mut config = client.clone();
-        config
-            .set("acks", "all")
-            .set("enable.idempotence", "true")
-            .set("message.timeout.ms", timeout.as_millis().max(1).to_string());
         Ok(Self {
-            producer: config.create()?,
+            producer: producer_config(client, timeout).create()?,
             timeout,
         })
     }
@@ -85,18 +79,10 @@ impl Publisher for OutboxPublisher {
         match tokio::time::timeout(self.timeout + Duration::from_secs(1), sent).await {
             Err(elapsed) => Err(PublishError::unavailable(elapsed)),
             Ok(Ok(_)) => Ok(()),
-            Ok(Err((error, _))) => match error.rdkafka_error_code() {
-                Some(
-                    RDKafkaErrorCode::UnknownTopicOrPartition
-                    | RDKafkaErrorCode::UnknownTopic
-                    | RDKafkaErrorCode::TopicAuthorizationFailed
-                    | RDKafkaErrorCode::InvalidTopic
-                    | RDKafkaErrorCode::MessageSizeTooLarge
-                    | RDKafkaErrorCode::InvalidMessageSize
-                    | RDKafkaErrorCode::InvalidRecord,
-                ) => Err(PublishError::rejected(format!("{error} (topic {topic:?})"))),
-                _ => Err(PublishError::unavailable(error)),
-            },
+            Ok(Err((error, _))) if refused(&error) => {
+                Err(PublishError::rejected(format!("{error} (topic {topic:?})")))
+            }
+            Ok(Err((error, _))) => Err(PublishError::unavailable(error)),
         }
     }
 }

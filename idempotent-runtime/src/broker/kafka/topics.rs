@@ -19,9 +19,10 @@ use tokio_util::sync::CancellationToken as Shutdown;
 /// every record of one retry topic waits the same time and they come due in their order.
 #[derive(Debug, Clone)]
 pub(super) struct RetryTopics {
-    prefix: String,
     /// The delays, shortest first.
     delays: Vec<Duration>,
+    /// Their topics, in the same order.
+    names: Vec<String>,
 }
 
 impl RetryTopics {
@@ -36,26 +37,33 @@ impl RetryTopics {
             }
             attempt += 1;
         }
-        Self {
-            prefix,
-            delays: delays.into_iter().collect(),
-        }
-    }
-
-    /// The topic of a retry that waits `after`.
-    pub(super) fn topic(&self, after: Duration) -> String {
-        let delay = self
-            .delays
+        let delays: Vec<Duration> = delays.into_iter().collect();
+        let names = delays
             .iter()
-            .find(|delay| **delay >= after)
-            .or(self.delays.last())
-            .copied()
-            .unwrap_or(after);
-        format!("{}.{}ms", self.prefix, delay.as_millis())
+            .map(|delay| format!("{prefix}.{}ms", delay.as_millis()))
+            .collect();
+        Self { delays, names }
     }
 
-    pub(super) fn names(&self) -> Vec<String> {
-        self.delays.iter().map(|delay| self.topic(*delay)).collect()
+    /// The topic of a retry that waits `after`: the first whose delay is as long, or the last.
+    /// `None` when the policy has no retries.
+    pub(super) fn topic(&self, after: Duration) -> Option<&str> {
+        let index = self.delays.iter().position(|delay| *delay >= after);
+        let name = match index {
+            Some(index) => self.names.get(index),
+            None => self.names.last(),
+        };
+        name.map(String::as_str)
+    }
+
+    /// The retry topics.
+    pub(super) fn names(&self) -> &[String] {
+        &self.names
+    }
+
+    /// Whether `topic` is one of them.
+    pub(super) fn contains(&self, topic: &str) -> bool {
+        self.names.iter().any(|name| name == topic)
     }
 }
 
@@ -204,7 +212,11 @@ mod tests {
                 "ledger.retry.4000ms"
             ]
         );
-        assert_eq!(topics.topic(policy.delay_after(9)), "ledger.retry.4000ms");
+        assert_eq!(
+            topics.topic(policy.delay_after(9)),
+            Some("ledger.retry.4000ms")
+        );
+        assert!(topics.contains("ledger.retry.2000ms") && !topics.contains("ledger"));
         let once = RetryTopics::new("x".into(), &RetryPolicy::new(1, Duration::from_secs(1)));
         assert!(once.names().is_empty(), "one attempt: no retries");
         let many = RetryPolicy::new(u32::MAX, Duration::from_millis(1)).multiplier(1.0);
