@@ -1,7 +1,7 @@
 //! The runner's own topics: one retry topic per delay of its policy, and the dead-letter topic,
 //! made at start when they are missing.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use rdkafka::ClientConfig;
@@ -83,7 +83,7 @@ pub(super) async fn ensure(
     shutdown: &Shutdown,
 ) -> Result<(), BrokerError> {
     let mut outage = Outage::new("kafka", dead_letters.to_owned(), None);
-    let (existing, partitions, brokers) = loop {
+    let (existing, brokers) = loop {
         match metadata(producer, None).await {
             Ok(found) => break found,
             Err(error) => {
@@ -98,8 +98,7 @@ pub(super) async fn ensure(
     outage.restored();
     let partitions = sources
         .iter()
-        .filter_map(|topic| partitions.iter().find(|(name, _)| name == topic))
-        .map(|(_, count)| *count)
+        .filter_map(|topic| existing.get(topic).copied())
         .max()
         .unwrap_or(1)
         .max(1);
@@ -107,7 +106,7 @@ pub(super) async fn ensure(
         .iter()
         .map(String::as_str)
         .chain([dead_letters])
-        .filter(|topic| !existing.contains(*topic))
+        .filter(|topic| !existing.contains_key(*topic))
         .collect();
     if missing.is_empty() {
         return Ok(());
@@ -118,7 +117,7 @@ pub(super) async fn ensure(
         // Auto-creation: a broker without CreateTopics, or one that refused it to this client.
         let made = metadata(producer, Some(topic))
             .await
-            .is_ok_and(|(existing, _, _)| existing.contains(topic));
+            .is_ok_and(|(existing, _)| existing.contains_key(topic));
         if made {
             continue;
         }
@@ -137,11 +136,11 @@ pub(super) async fn ensure(
     Ok(())
 }
 
-/// The topics the cluster has, their partition counts, and how many brokers it has.
+/// The topics the cluster has with their partition counts, and how many brokers it has.
 async fn metadata(
     producer: &FutureProducer,
     topic: Option<&str>,
-) -> Result<(BTreeSet<String>, Vec<(String, usize)>, usize), BrokerError> {
+) -> Result<(BTreeMap<String, usize>, usize), BrokerError> {
     let producer = producer.clone();
     let topic = topic.map(str::to_owned);
     tokio::task::spawn_blocking(move || {
@@ -150,15 +149,13 @@ async fn metadata(
             .client()
             .fetch_metadata(topic.as_deref(), ADMIN_TIMEOUT)
             .map_err(BrokerError::broker)?;
-        let topics = metadata
+        let existing = metadata
             .topics()
             .iter()
-            .filter(|topic| topic.error().is_none() && !topic.partitions().is_empty());
-        let partitions: Vec<(String, usize)> = topics
+            .filter(|topic| topic.error().is_none() && !topic.partitions().is_empty())
             .map(|topic| (topic.name().to_owned(), topic.partitions().len()))
             .collect();
-        let existing = partitions.iter().map(|(name, _)| name.clone()).collect();
-        Ok((existing, partitions, metadata.brokers().len()))
+        Ok((existing, metadata.brokers().len()))
     })
     .await
     .map_err(BrokerError::broker)?
