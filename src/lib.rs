@@ -146,10 +146,20 @@ pub use idempotent_runtime::{
 // The transactional outbox.
 pub use idempotent_runtime::outbox;
 
-#[cfg(any(feature = "rabbitmq", feature = "nats", feature = "kafka"))]
+#[cfg(any(
+    feature = "rabbitmq",
+    feature = "nats",
+    feature = "kafka",
+    feature = "sqs"
+))]
 #[cfg_attr(
     docsrs,
-    doc(cfg(any(feature = "rabbitmq", feature = "nats", feature = "kafka")))
+    doc(cfg(any(
+        feature = "rabbitmq",
+        feature = "nats",
+        feature = "kafka",
+        feature = "sqs"
+    )))
 )]
 pub use idempotent_runtime::broker;
 #[cfg(feature = "http")]
@@ -195,10 +205,20 @@ pub mod guide {
     #[doc = include_str!("../docs/keys.md")]
     pub mod keys {}
     #[doc = include_str!("../docs/brokers.md")]
-    #[cfg(any(feature = "rabbitmq", feature = "nats", feature = "kafka"))]
+    #[cfg(any(
+        feature = "rabbitmq",
+        feature = "nats",
+        feature = "kafka",
+        feature = "sqs"
+    ))]
     #[cfg_attr(
         docsrs,
-        doc(cfg(any(feature = "rabbitmq", feature = "nats", feature = "kafka")))
+        doc(cfg(any(
+            feature = "rabbitmq",
+            feature = "nats",
+            feature = "kafka",
+            feature = "sqs"
+        )))
     )]
     pub mod brokers {}
     #[doc = include_str!("../docs/outbox.md")]

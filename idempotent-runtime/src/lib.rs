@@ -7,10 +7,20 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod batch;
-#[cfg(any(feature = "rabbitmq", feature = "nats", feature = "kafka"))]
+#[cfg(any(
+    feature = "rabbitmq",
+    feature = "nats",
+    feature = "kafka",
+    feature = "sqs"
+))]
 #[cfg_attr(
     docsrs,
-    doc(cfg(any(feature = "rabbitmq", feature = "nats", feature = "kafka")))
+    doc(cfg(any(
+        feature = "rabbitmq",
+        feature = "nats",
+        feature = "kafka",
+        feature = "sqs"
+    )))
 )]
 pub mod broker;
 pub mod calls;

@@ -100,7 +100,12 @@ pub fn describe() {
 
 /// Counts a reconnect of a broker runner of `source` (a queue, a consumer) to `broker`.
 #[cfg_attr(
-    not(any(feature = "rabbitmq", feature = "nats", feature = "kafka")),
+    not(any(
+        feature = "rabbitmq",
+        feature = "nats",
+        feature = "kafka",
+        feature = "sqs"
+    )),
     allow(dead_code)
 )]
 pub(crate) fn runner_reconnected(broker: &'static str, source: &str) {

@@ -1,7 +1,7 @@
 //! Broker runners: what a consumer does with each outcome, written once.
 //!
 //! A runner takes deliveries from a broker (a RabbitMQ queue, a NATS JetStream pull consumer, Kafka
-//! topics in a consumer group: the `rabbitmq`, `nats` and `kafka` modules), hands each
+//! topics in a consumer group, an SQS queue: the `rabbitmq`, `nats`, `kafka` and `sqs` modules), hands each
 //! [`Message`] to a handler (typically an `#[idempotent]` function called with a worker's inbox,
 //! made with
 //! [`Inbox::for_worker`](crate::Inbox::for_worker)), and settles the delivery only once the outcome
@@ -24,6 +24,9 @@ pub mod nats;
 #[cfg(feature = "rabbitmq")]
 #[cfg_attr(docsrs, doc(cfg(feature = "rabbitmq")))]
 pub mod rabbitmq;
+#[cfg(feature = "sqs")]
+#[cfg_attr(docsrs, doc(cfg(feature = "sqs")))]
+pub mod sqs;
 
 mod backoff;
 mod batch;

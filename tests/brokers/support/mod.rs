@@ -8,6 +8,8 @@ pub mod amqp;
 pub mod jetstream;
 #[cfg(feature = "kafka")]
 pub mod kafka;
+#[cfg(feature = "sqs")]
+pub mod sqs;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
