@@ -68,8 +68,8 @@
 //!   ([`Inbox::call_once`]), stored responses and fingerprints ([Lifecycle](guide::lifecycle)).
 //! - **The transactional outbox** ([`outbox`]): follow-up messages commit with the effect, and a
 //!   relay publishes them at least once with stable ids ([Outbox](guide::outbox)).
-//! - **Broker runners** for RabbitMQ, NATS JetStream and Kafka ([`broker`], features `rabbitmq`,
-//!   `nats`, `kafka`): the acknowledgement, retry and dead-letter rules, written once
+//! - **Broker runners** for RabbitMQ, NATS JetStream, Kafka and Amazon SQS ([`broker`], features
+//!   `rabbitmq`, `nats`, `kafka`, `sqs`): the acknowledgement, retry and dead-letter rules, written once
 //!   ([Brokers and runners](guide::brokers)).
 //! - **HTTP `Idempotency-Key`** routes ([`http`], feature `http`): a tower layer and axum
 //!   extractors on the same inbox ([HTTP APIs](guide::http)).
@@ -82,8 +82,8 @@
 //! - `sqlite` (default): the inbox on SQLite, compiled in.
 //! - `postgres`: the inbox on PostgreSQL.
 //! - `mysql`: the inbox on MySQL and MariaDB.
-//! - `rabbitmq`, `nats`, `kafka`: the broker runners for RabbitMQ, NATS JetStream and Kafka, and
-//!   the outbox's publishers. The outbox itself needs no feature.
+//! - `rabbitmq`, `nats`, `kafka`, `sqs`: the broker runners for RabbitMQ, NATS JetStream, Kafka and
+//!   Amazon SQS, and the outbox's publishers. The outbox itself needs no feature.
 //! - `http`: the `http` module, a tower layer and axum extractors that make HTTP routes idempotent
 //!   by `Idempotency-Key` header, on the same inbox (PostgreSQL and SQLite).
 //!
@@ -91,7 +91,7 @@
 //!
 //! # The guides
 //! [Guarantees](guide::guarantees) · [Keys](guide::keys) ·
-//! [Brokers and runners](guide::brokers) (with `rabbitmq`, `nats` or `kafka`) · [Outbox](guide::outbox) ·
+//! [Brokers and runners](guide::brokers) (with `rabbitmq`, `nats`, `kafka` or `sqs`) · [Outbox](guide::outbox) ·
 //! [HTTP APIs](guide::http) (with `http`) ·
 //! [Lifecycle](guide::lifecycle) · [Operating](guide::operating) · [Storage](guide::storage) ·
 //! [Running at scale](guide::scale) · [Performance](guide::performance) ·
@@ -187,7 +187,8 @@ pub use idempotent_runtime::__private;
 /// - [Guarantees](guide::guarantees): what the attribute does step by step, what holds, how it is
 ///   tested, and where it stops.
 /// - [Keys](guide::keys): what to key a handler on, and the checks that refuse unstable keys.
-/// - [Brokers and runners](guide::brokers): RabbitMQ and NATS JetStream runners; Kafka's rules.
+/// - [Brokers and runners](guide::brokers): RabbitMQ and NATS JetStream runners; Kafka's and SQS's
+///   rules.
 /// - [Outbox](guide::outbox): outgoing messages that commit with the effect, and their relays.
 /// - [HTTP APIs](guide::http): `Idempotency-Key` routes with a tower layer and axum extractors.
 /// - [Lifecycle](guide::lifecycle): retention and purge, calls to outside services, stored

@@ -16,10 +16,10 @@ pub const MAX_TEXT_LEN: usize = 255;
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub struct Destination {
-    /// The AMQP exchange; empty for the default exchange, and for NATS and Kafka.
+    /// The AMQP exchange; empty for the default exchange, and for NATS, Kafka and SQS.
     pub exchange: String,
-    /// The AMQP routing key (with the default exchange: the queue's name), the NATS subject, or
-    /// the Kafka topic.
+    /// The AMQP routing key (with the default exchange: the queue's name), the NATS subject, the
+    /// Kafka topic, or the SQS queue's URL or name.
     pub routing_key: String,
 }
 
@@ -32,7 +32,8 @@ impl Destination {
         }
     }
 
-    /// Creates a destination: a RabbitMQ queue, through the default exchange.
+    /// Creates a destination: a RabbitMQ queue, through the default exchange; or an SQS queue, by
+    /// its URL or its name.
     pub fn queue(queue: impl Into<String>) -> Self {
         Self::exchange("", queue)
     }

@@ -1,6 +1,7 @@
 //! What a relay hands a broker: the [`Publisher`] trait, the [`Publication`] it publishes, and how
 //! a publication fails. A leaf: the broker's publishers (`broker/rabbitmq/publisher.rs`,
-//! `broker/nats/publisher.rs`, `broker/kafka/publisher.rs`) implement it, and the relay calls it.
+//! `broker/nats/publisher.rs`, `broker/kafka/publisher.rs`, `broker/sqs/publisher.rs`) implement
+//! it, and the relay calls it.
 
 use std::future::Future;
 
@@ -12,7 +13,8 @@ use crate::inbox::outgoing::Destination;
 pub struct Publication {
     /// The message's id: publish it as the broker's message id (AMQP `message_id`, NATS
     /// `Nats-Msg-Id`), so that the downstream consumer's inbox keys on it. The same on every
-    /// publication of this message. (Kafka: the `message-id` header.)
+    /// publication of this message. (Kafka: the `message-id` header; SQS: the `message-id`
+    /// attribute.)
     pub message_id: String,
     /// Where it goes.
     pub destination: Destination,
@@ -87,9 +89,9 @@ impl PublishError {
 /// confirmed the message (RabbitMQ's publisher confirm of a persistent message, JetStream's
 /// publish acknowledgement), not that it was written to a socket.
 ///
-/// The implementations are `broker::rabbitmq::OutboxPublisher`, `broker::nats::OutboxPublisher`
-/// and `broker::kafka::OutboxPublisher` (features `rabbitmq`, `nats` and `kafka`); implement it for
-/// another broker. A relay calls it concurrently for the messages of one batch.
+/// The implementations are `broker::rabbitmq::OutboxPublisher`, `broker::nats::OutboxPublisher`,
+/// `broker::kafka::OutboxPublisher` and `broker::sqs::OutboxPublisher` (features `rabbitmq`,
+/// `nats`, `kafka` and `sqs`); implement it for another broker. A relay calls it concurrently for the messages of one batch.
 pub trait Publisher: Send + Sync + 'static {
     /// Publishes `publication` and waits for the broker's confirmation.
     fn publish(
