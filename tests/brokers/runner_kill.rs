@@ -1,5 +1,5 @@
-//! Real brokers end to end: the producer and consumer examples as separate processes, on RabbitMQ
-//! and on NATS JetStream, and a consumer that is SIGKILLed after its commit but before the
+//! Real brokers end to end: the producer and consumer examples as separate processes, on RabbitMQ,
+//! on NATS JetStream and on SQS, and a consumer that is SIGKILLed after its commit but before the
 //! runner's acknowledgement, again and again. Every effect happens once, every copy the producer
 //! retried and every redelivery after a kill is a detected duplicate, and nothing is left behind.
 #![cfg(all(feature = "sqlite", feature = "rabbitmq", feature = "nats"))]
@@ -154,4 +154,24 @@ async fn nats_consumer_killed_after_its_commit_before_its_ack_has_each_effect_on
     };
     // JetStream drops the producer's retried copies itself (`Nats-Msg-Id` in its window).
     killed_after_commit_before_ack(broker, MESSAGES).await;
+}
+
+#[cfg(feature = "sqs")]
+#[tokio::test]
+async fn sqs_consumer_killed_after_its_commit_before_its_delete_has_each_effect_once() {
+    let queue = format!("payments-{}", uuid::Uuid::new_v4().simple());
+    let broker = Broker {
+        producer: "sqs_producer",
+        consumer: "sqs_consumer",
+        // A killed consumer's undeleted message comes back after two seconds.
+        destination: vec![
+            "--queue".into(),
+            queue,
+            "--visibility-timeout".into(),
+            "2".into(),
+        ],
+        url: ("IDEMPOTENT_SQS_URL", env("IDEMPOTENT_SQS_URL")),
+    };
+    // A standard queue keeps the producer's retried copies: each reaches the consumer.
+    killed_after_commit_before_ack(broker, MESSAGES + RETRIES).await;
 }
