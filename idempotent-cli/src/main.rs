@@ -15,11 +15,24 @@
 //! idempotent --url … outbox parked [--limit 100] [--after ROW]
 //! idempotent --url … outbox show --row 42 | --message-id ID
 //! idempotent --url … outbox retry --row 42               publish a parked message again
+//! idempotent dlq --sqs QUEUE_URL list [--reason poison] [--older-than 1h] [--limit 50]
+//! idempotent dlq --sqs QUEUE_URL show --message-id ID    a dead letter's headers and payload
+//! idempotent dlq --sqs QUEUE_URL redrive [--reason …] [--older-than …] [--dry-run]
 //! ```
 //!
 //! Tables for people by default, `--json` for scripts. Exit status: 0, 1 on an error (a wrong
 //! command line too), 2 when the message to inspect or forget is not in the inbox (or the outgoing
-//! message to show or retry is not in the outbox, or not parked).
+//! message to show or retry is not in the outbox, or not parked, or the dead letter to show is not
+//! in the dead-letter queue).
+//!
+//! `dlq` needs no database: it reads the dead-letter queue that an SQS queue's redrive policy names
+//! (`--sqs`, or the dead-letter queue itself with `--sqs-dlq`), with the credentials and region of
+//! the environment (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`, `AWS_REGION`;
+//! `--sqs-endpoint` or `AWS_ENDPOINT_URL_SQS` for a local SQS). `redrive` sends each dead letter
+//! taken back to its queue with its body and attributes (its message id among them, so the
+//! consumer's inbox drops those already processed) and deletes it from the dead-letter queue: it
+//! starts again at attempt 1. Reading an SQS queue is receiving from it: while `list` or `redrive`
+//! runs, the dead letters are hidden from other readers, and visible again when it ends.
 //!
 //! - The tool connects once before anything else and reports why it could not (`Connection
 //!   refused`), each cause of an error once. On SQLite only `migrate` creates the database file:
@@ -34,6 +47,8 @@
 #![warn(missing_docs, unreachable_pub)]
 
 mod args;
+#[cfg(feature = "sqs")]
+mod dlq;
 mod output;
 
 use std::process::ExitCode;
@@ -152,6 +167,10 @@ enum Command {
         #[arg(long)]
         yes_delete_recent: bool,
     },
+    /// A broker's dead letters: list them, show one, put them back where they came from (no
+    /// database needed).
+    #[cfg(feature = "sqs")]
+    Dlq(dlq::Queue),
     /// The transactional outbox: its outgoing messages, the parked ones, and retrying them.
     Outbox {
         #[command(subcommand)]
@@ -289,6 +308,10 @@ fn scheme(url: &str) -> Result<Scheme, Failure> {
 }
 
 async fn run(cli: Cli) -> Result<(), Failure> {
+    #[cfg(feature = "sqs")]
+    if let Command::Dlq(queue) = cli.command {
+        return dlq::run(queue, Output { json: cli.json }).await;
+    }
     let url = cli
         .url
         .clone()
@@ -385,6 +408,8 @@ async fn command<DB: Backend>(
 ) -> Result<(), Failure> {
     match command {
         Command::Ddl { .. } => unreachable!("printed without a connection"),
+        #[cfg(feature = "sqs")]
+        Command::Dlq(_) => unreachable!("run without a database"),
         Command::Migrate => out.migration(inbox.table(), inbox.migrate().await?),
         Command::Stats => out.stats(&inbox.stats().await?),
         Command::Inspect {

@@ -16,7 +16,7 @@ pub(crate) struct Output {
     pub(crate) json: bool,
 }
 
-fn time(time: Option<SystemTime>) -> Value {
+pub(crate) fn time(time: Option<SystemTime>) -> Value {
     time.map_or(Value::Null, |t| Value::String(rfc3339(t)))
 }
 
@@ -85,7 +85,7 @@ pub(crate) fn readable(key: &MessageKey) -> String {
 }
 
 /// Prints `rows` under `headers`, each column as wide as its widest cell.
-fn table(headers: &[&str], rows: &[Vec<String>]) {
+pub(crate) fn table(headers: &[&str], rows: &[Vec<String>]) {
     let mut widths: Vec<usize> = headers.iter().map(|h| h.len()).collect();
     for row in rows {
         for (width, cell) in widths.iter_mut().zip(row) {
@@ -106,7 +106,7 @@ fn table(headers: &[&str], rows: &[Vec<String>]) {
     }
 }
 
-fn print_json(value: Value) {
+pub(crate) fn print_json(value: Value) {
     println!(
         "{}",
         serde_json::to_string_pretty(&value).expect("JSON values serialize")

@@ -30,6 +30,7 @@ pub mod sqs;
 
 mod backoff;
 mod batch;
+mod dead_letters;
 mod delivery;
 mod drive;
 mod error;
@@ -43,6 +44,7 @@ mod settle;
 mod stats;
 
 pub use batch::{BatchBody, Batches};
+pub use dead_letters::{DeadLetter, DeadLetterFilter};
 pub use error::BrokerError;
 pub use message::{DeliveryCount, Message, MessageId, Redelivered, StreamSequence};
 pub use options::DEFAULT_PUBLISH_TIMEOUT;

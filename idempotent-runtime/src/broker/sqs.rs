@@ -71,6 +71,7 @@
 /// The SQS client this runner was built against: make the runner's client with it.
 pub use aws_sdk_sqs;
 
+mod dead_letters;
 mod deletes;
 mod delivery;
 mod failure;
@@ -78,6 +79,7 @@ mod publisher;
 mod queue;
 mod receive;
 
+pub use dead_letters::DeadLetterQueue;
 pub use publisher::OutboxPublisher;
 
 use std::collections::VecDeque;

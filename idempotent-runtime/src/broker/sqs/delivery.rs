@@ -131,6 +131,14 @@ impl SqsDelivery {
     }
 }
 
+/// The text of a message attribute of type `String` or `Number` (and their custom subtypes).
+pub(super) fn text_of(value: &MessageAttributeValue) -> Option<&str> {
+    let kind = value.data_type();
+    (kind.starts_with("String") || kind.starts_with("Number"))
+        .then(|| value.string_value())
+        .flatten()
+}
+
 /// A message attribute of type `String`.
 pub(super) fn text_attribute(value: impl Into<String>) -> MessageAttributeValue {
     MessageAttributeValue::builder()
@@ -145,22 +153,16 @@ impl Delivery for SqsDelivery {
 
     fn message(&self) -> Result<Message, String> {
         let attributes = self.message.message_attributes();
-        fn text(value: &MessageAttributeValue) -> Option<&str> {
-            let kind = value.data_type();
-            (kind.starts_with("String") || kind.starts_with("Number"))
-                .then(|| value.string_value())
-                .flatten()
-        }
         let name = &self.context.message_id_attribute;
         let message_id = attributes
             .and_then(|all| all.get(name))
-            .and_then(text)
+            .and_then(text_of)
             .filter(|id| !id.is_empty())
             .ok_or_else(|| format!("the message has no {name} attribute: it has no key"))?;
         let mut headers: Vec<(String, String)> = attributes
             .into_iter()
             .flatten()
-            .filter_map(|(name, value)| Some((name.clone(), text(value)?.to_owned())))
+            .filter_map(|(name, value)| Some((name.clone(), text_of(value)?.to_owned())))
             .collect();
         headers.sort();
         let attempt = self.receive_count();

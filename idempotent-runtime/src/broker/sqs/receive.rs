@@ -100,28 +100,37 @@ impl Receiver {
             self.received.extend(messages);
         }
         let received: Vec<_> = self.received.drain(..).collect();
-        for chunk in received.chunks(MOST_PER_BATCH) {
-            let entries = chunk
-                .iter()
-                .enumerate()
-                .map(|(n, message)| {
-                    ChangeMessageVisibilityBatchRequestEntry::builder()
-                        .id(n.to_string())
-                        .receipt_handle(message.receipt_handle().unwrap_or_default())
-                        .visibility_timeout(0)
-                        .build()
-                        .expect("id and receipt handle are set")
-                })
-                .collect();
-            // Should this fail, the messages come back after their visibility timeout instead.
-            let _ = self
-                .context
-                .client
-                .change_message_visibility_batch()
-                .queue_url(&self.context.queue_url)
-                .set_entries(Some(entries))
-                .send()
-                .await;
-        }
+        // Should this fail, the messages come back after their visibility timeout instead.
+        make_visible(&self.context.client, &self.context.queue_url, &received).await;
+    }
+}
+
+/// Makes `messages`, received from the queue at `url`, visible again at once (in batches of ten);
+/// should that fail, they come back after their visibility timeout.
+pub(super) async fn make_visible<'a>(
+    client: &aws_sdk_sqs::Client,
+    url: &str,
+    messages: impl IntoIterator<Item = &'a Message>,
+) {
+    let messages: Vec<&Message> = messages.into_iter().collect();
+    for chunk in messages.chunks(MOST_PER_BATCH) {
+        let entries = chunk
+            .iter()
+            .enumerate()
+            .map(|(n, message)| {
+                ChangeMessageVisibilityBatchRequestEntry::builder()
+                    .id(n.to_string())
+                    .receipt_handle(message.receipt_handle().unwrap_or_default())
+                    .visibility_timeout(0)
+                    .build()
+                    .expect("id and receipt handle are set")
+            })
+            .collect();
+        let _ = client
+            .change_message_visibility_batch()
+            .queue_url(url)
+            .set_entries(Some(entries))
+            .send()
+            .await;
     }
 }

@@ -1,0 +1,317 @@
+//! `idempotent dlq`: a broker's dead letters listed, shown and put back where they came from.
+//! SQS for now (feature `sqs`, on by default).
+
+use std::time::{Duration, SystemTime};
+
+use clap::{Args, Subcommand};
+use idempotent::broker::sqs::DeadLetterQueue;
+use idempotent::broker::sqs::aws_sdk_sqs::config::{BehaviorVersion, Credentials, Region};
+use idempotent::broker::sqs::aws_sdk_sqs::{self, Client};
+use idempotent::broker::{DeadLetter, DeadLetterFilter};
+
+use crate::output::Output;
+use crate::{Failure, args, fail};
+
+/// Which dead-letter queue.
+#[derive(Args, Debug)]
+pub(crate) struct Queue {
+    /// The SQS queue whose dead letters to look at: its redrive policy names its dead-letter
+    /// queue. Credentials and region come from the environment (AWS_ACCESS_KEY_ID,
+    /// AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_REGION).
+    #[arg(long, value_name = "QUEUE_URL", required_unless_present = "sqs_dlq")]
+    sqs: Option<String>,
+    /// The SQS dead-letter queue itself, instead of the queue whose redrive policy names it.
+    #[arg(long, value_name = "QUEUE_URL", conflicts_with = "sqs")]
+    sqs_dlq: Option<String>,
+    /// SQS's endpoint, for a local SQS (http:// works); by default AWS_ENDPOINT_URL_SQS or
+    /// AWS_ENDPOINT_URL, else AWS's own for the region.
+    #[arg(long, value_name = "URL")]
+    sqs_endpoint: Option<String>,
+    #[command(subcommand)]
+    command: DlqCommand,
+}
+
+#[derive(Subcommand, Debug)]
+enum DlqCommand {
+    /// The dead letters, oldest first, with their reason, attempts, age and source.
+    List {
+        #[command(flatten)]
+        filter: FilterArgs,
+    },
+    /// The dead letters of one message id, with their headers and payload.
+    Show {
+        /// The message id (the `message-id` attribute).
+        #[arg(long)]
+        message_id: String,
+    },
+    /// Put dead letters back on the queues they came from, with their message id kept (so that
+    /// the consumer's inbox drops those already processed) and their attempts starting again;
+    /// prints a line per message.
+    Redrive {
+        #[command(flatten)]
+        filter: FilterArgs,
+        /// Only say which it would put back.
+        #[arg(long)]
+        dry_run: bool,
+    },
+}
+
+/// Which dead letters.
+#[derive(Args, Debug)]
+struct FilterArgs {
+    /// Only those whose reason contains this text (ignoring case).
+    #[arg(long)]
+    reason: Option<String>,
+    /// Only those dead-lettered at least this long ago (2d, 36h, 90m).
+    #[arg(long, value_parser = args::duration)]
+    older_than: Option<Duration>,
+    /// Only those dead-lettered less than this long ago.
+    #[arg(long, value_parser = args::duration)]
+    newer_than: Option<Duration>,
+    /// Only those of this message id.
+    #[arg(long)]
+    message_id: Option<String>,
+    /// At most this many (at least 1).
+    #[arg(long, value_parser = args::limit)]
+    limit: Option<usize>,
+}
+
+impl FilterArgs {
+    fn filter(&self) -> DeadLetterFilter {
+        let mut filter = DeadLetterFilter::new();
+        if let Some(reason) = &self.reason {
+            filter = filter.reason_contains(reason);
+        }
+        if let Some(age) = self.older_than {
+            filter = filter.older_than(age);
+        }
+        if let Some(age) = self.newer_than {
+            filter = filter.newer_than(age);
+        }
+        if let Some(id) = &self.message_id {
+            filter = filter.message_id(id);
+        }
+        if let Some(limit) = self.limit {
+            filter = filter.limit(limit);
+        }
+        filter
+    }
+}
+
+/// Runs `idempotent dlq …`.
+pub(crate) async fn run(queue: Queue, out: Output) -> Result<(), Failure> {
+    let client = client(queue.sqs_endpoint.as_deref())?;
+    let dead_letters = match (&queue.sqs, &queue.sqs_dlq) {
+        (_, Some(dlq)) => DeadLetterQueue::new(client, dlq),
+        (Some(source), None) => tokio::time::timeout(
+            Duration::from_secs(30),
+            DeadLetterQueue::of_queue(client, source),
+        )
+        .await
+        .map_err(|_| fail(format!("SQS did not answer for {source} within 30 s")))??,
+        (None, None) => unreachable!("clap requires one"),
+    };
+    let now = SystemTime::now();
+    match queue.command {
+        DlqCommand::List { filter } => {
+            out.dead_letters(&dead_letters.list(&filter.filter()).await?, now)
+        }
+        DlqCommand::Show { message_id } => {
+            let filter = DeadLetterFilter::new().message_id(&message_id);
+            let letters = dead_letters.list(&filter).await?;
+            if letters.is_empty() {
+                return Err(Failure::NotFound(format!(
+                    "no dead letter of message id {message_id:?} in {}",
+                    dead_letters.url()
+                )));
+            }
+            out.dead_letters_in_full(&letters, now)
+        }
+        DlqCommand::Redrive { filter, dry_run } => {
+            let moved = dead_letters.redrive(&filter.filter(), dry_run).await?;
+            out.redriven(&moved, dry_run)
+        }
+    }
+    Ok(())
+}
+
+/// An SQS client: the endpoint given or the environment's, the environment's credentials and
+/// region, HTTPS (or plain HTTP to a local SQS) through rustls.
+fn client(endpoint: Option<&str>) -> Result<Client, Failure> {
+    use aws_smithy_http_client::tls::{Provider, rustls_provider::CryptoMode};
+    let env = |name: &str| std::env::var(name).ok().filter(|value| !value.is_empty());
+    let region = env("AWS_REGION")
+        .or_else(|| env("AWS_DEFAULT_REGION"))
+        .unwrap_or_else(|| "us-east-1".into());
+    let (Some(key), Some(secret)) = (env("AWS_ACCESS_KEY_ID"), env("AWS_SECRET_ACCESS_KEY")) else {
+        return Err(fail(
+            "no AWS credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and \
+             AWS_SESSION_TOKEN for temporary ones)",
+        ));
+    };
+    let credentials = Credentials::new(key, secret, env("AWS_SESSION_TOKEN"), None, "environment");
+    let http = aws_smithy_http_client::Builder::new()
+        .tls_provider(Provider::Rustls(CryptoMode::Ring))
+        .build_https();
+    let mut config = aws_sdk_sqs::Config::builder()
+        .behavior_version(BehaviorVersion::latest())
+        .region(Region::new(region))
+        .credentials_provider(credentials)
+        .http_client(http);
+    let endpoint = endpoint
+        .map(str::to_owned)
+        .or_else(|| env("AWS_ENDPOINT_URL_SQS"))
+        .or_else(|| env("AWS_ENDPOINT_URL"));
+    if let Some(endpoint) = endpoint {
+        config = config.endpoint_url(endpoint);
+    }
+    Ok(Client::from_conf(config.build()))
+}
+
+/// What `list` prints of a dead letter's age.
+pub(crate) fn age(letter: &DeadLetter, now: SystemTime) -> String {
+    match letter.age(now) {
+        None => "?".into(),
+        Some(age) if age < Duration::from_secs(120) => format!("{}s", age.as_secs()),
+        Some(age) if age < Duration::from_secs(2 * 3600) => format!("{}m", age.as_secs() / 60),
+        Some(age) if age < Duration::from_secs(2 * 86400) => format!("{}h", age.as_secs() / 3600),
+        Some(age) => format!("{}d", age.as_secs() / 86400),
+    }
+}
+
+impl Output {
+    fn letter_json(letter: &DeadLetter, now: SystemTime, in_full: bool) -> serde_json::Value {
+        let mut value = serde_json::json!({
+            "id": letter.id,
+            "message_id": letter.message_id,
+            "reason": letter.reason,
+            "attempts": letter.attempts,
+            "source": letter.source,
+            "dead_lettered_at": crate::output::time(letter.dead_lettered_at),
+            "age_seconds": letter.age(now).map(|age| age.as_secs()),
+            "payload_bytes": letter.payload.len(),
+        });
+        if in_full {
+            value["headers"] = letter
+                .headers
+                .iter()
+                .map(|(name, value)| (name.clone(), serde_json::Value::from(value.as_str())))
+                .collect::<serde_json::Map<_, _>>()
+                .into();
+            value["payload"] = String::from_utf8_lossy(&letter.payload).into();
+        }
+        value
+    }
+
+    /// Prints dead letters, a line each.
+    pub(crate) fn dead_letters(&self, letters: &[DeadLetter], now: SystemTime) {
+        if self.json {
+            let letters: Vec<_> = letters
+                .iter()
+                .map(|letter| Self::letter_json(letter, now, false))
+                .collect();
+            return crate::output::print_json(serde_json::json!({ "dead_letters": letters }));
+        }
+        let rows: Vec<Vec<String>> = letters
+            .iter()
+            .map(|letter| {
+                vec![
+                    letter.message_id.clone().unwrap_or_else(|| "-".into()),
+                    age(letter, now),
+                    letter
+                        .attempts
+                        .map_or_else(|| "-".into(), |n| n.to_string()),
+                    letter.source.clone().unwrap_or_else(|| "-".into()),
+                    one_line(
+                        letter
+                            .reason
+                            .as_deref()
+                            .unwrap_or("- (moved by the broker)"),
+                    ),
+                ]
+            })
+            .collect();
+        crate::output::table(
+            &["MESSAGE ID", "AGE", "ATTEMPTS", "SOURCE", "REASON"],
+            &rows,
+        );
+        println!("{} dead letters", letters.len());
+    }
+
+    /// Prints dead letters with their headers and payloads.
+    pub(crate) fn dead_letters_in_full(&self, letters: &[DeadLetter], now: SystemTime) {
+        if self.json {
+            let letters: Vec<_> = letters
+                .iter()
+                .map(|letter| Self::letter_json(letter, now, true))
+                .collect();
+            return crate::output::print_json(serde_json::json!({ "dead_letters": letters }));
+        }
+        for letter in letters {
+            println!("dead letter {}", letter.id);
+            println!(
+                "  message id  {}",
+                letter.message_id.as_deref().unwrap_or("-")
+            );
+            println!("  reason      {}", letter.reason.as_deref().unwrap_or("-"));
+            println!(
+                "  attempts    {}",
+                letter
+                    .attempts
+                    .map_or_else(|| "-".into(), |n| n.to_string())
+            );
+            println!("  source      {}", letter.source.as_deref().unwrap_or("-"));
+            println!("  age         {}", age(letter, now));
+            for (name, value) in &letter.headers {
+                println!("  header      {name}: {value}");
+            }
+            println!(
+                "  payload     {}",
+                one_line(&String::from_utf8_lossy(&letter.payload))
+            );
+        }
+    }
+
+    /// Prints the dead letters a redrive put back (or, with `dry_run`, would), a line each.
+    pub(crate) fn redriven(&self, letters: &[DeadLetter], dry_run: bool) {
+        if self.json {
+            let letters: Vec<_> = letters
+                .iter()
+                .map(|letter| {
+                    serde_json::json!({
+                        "id": letter.id,
+                        "message_id": letter.message_id,
+                        "to": letter.source,
+                        "reason": letter.reason,
+                    })
+                })
+                .collect();
+            return crate::output::print_json(
+                serde_json::json!({ "dry_run": dry_run, "redriven": letters }),
+            );
+        }
+        let verb = if dry_run {
+            "would put back"
+        } else {
+            "put back"
+        };
+        for letter in letters {
+            println!(
+                "{verb} {} to {} (was: {})",
+                letter.message_id.as_deref().unwrap_or("-"),
+                letter.source.as_deref().unwrap_or("-"),
+                one_line(letter.reason.as_deref().unwrap_or("-"))
+            );
+        }
+        println!("{} dead letters {verb}", letters.len());
+    }
+}
+
+/// `text` on one line, at most 200 characters.
+fn one_line(text: &str) -> String {
+    let line: String = text.replace(['\n', '\r'], " ");
+    match line.char_indices().nth(200) {
+        Some((end, _)) => format!("{}…", &line[..end]),
+        None => line,
+    }
+}

@@ -1,0 +1,298 @@
+//! `idempotent dlq` against a local SQS (`IDEMPOTENT_SQS_URL`, moto's server, as `scripts/test`
+//! starts it): dead letters the SQS runner wrote, listed by reason, shown, put back (a dry run
+//! first) with their message id kept and their attempts starting again, and the mistakes an
+//! operator makes refused with a sentence.
+#![cfg(feature = "sqs")]
+
+use std::collections::HashMap;
+use std::process::{Command, Output};
+use std::time::Duration;
+
+use idempotent::broker::sqs::aws_sdk_sqs::config::{BehaviorVersion, Credentials, Region};
+use idempotent::broker::sqs::aws_sdk_sqs::types::{MessageAttributeValue, QueueAttributeName};
+use idempotent::broker::sqs::aws_sdk_sqs::{self, Client};
+use idempotent::broker::sqs::{MESSAGE_ID_ATTRIBUTE, Runner};
+use idempotent::broker::{Message, Shutdown};
+use idempotent::{Error, Handled};
+use serde_json::Value;
+
+const BIN: &str = env!("CARGO_BIN_EXE_idempotent");
+
+fn endpoint() -> String {
+    std::env::var("IDEMPOTENT_SQS_URL").expect(
+        "IDEMPOTENT_SQS_URL is not set: run the tests with scripts/test, which starts a local SQS",
+    )
+}
+
+fn sqs() -> Client {
+    let config = aws_sdk_sqs::Config::builder()
+        .behavior_version(BehaviorVersion::latest())
+        .region(Region::new("us-east-1"))
+        .endpoint_url(endpoint())
+        .credentials_provider(Credentials::new("test", "test", None, None, "tests"))
+        .http_client(aws_smithy_http_client::Builder::new().build_http())
+        .build();
+    Client::from_conf(config)
+}
+
+fn dlq(args: &[&str]) -> Output {
+    Command::new(BIN)
+        .arg("dlq")
+        .args(["--sqs-endpoint", &endpoint()])
+        .args(args)
+        .env("AWS_ACCESS_KEY_ID", "test")
+        .env("AWS_SECRET_ACCESS_KEY", "test")
+        .env_remove("AWS_ENDPOINT_URL")
+        .output()
+        .expect("run the idempotent binary")
+}
+
+fn json(args: &[&str]) -> Value {
+    let mut args = args.to_vec();
+    args.push("--json");
+    let out = dlq(&args);
+    assert!(
+        out.status.success(),
+        "idempotent dlq {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("--json prints JSON")
+}
+
+async fn queue_url(
+    client: &Client,
+    name: &str,
+    attributes: HashMap<QueueAttributeName, String>,
+) -> String {
+    let made = client
+        .create_queue()
+        .queue_name(name)
+        .set_attributes(Some(attributes))
+        .send()
+        .await
+        .unwrap();
+    made.queue_url().unwrap().to_owned()
+}
+
+async fn send(client: &Client, queue: &str, id: &str, body: &str) {
+    let id = MessageAttributeValue::builder()
+        .data_type("String")
+        .string_value(id)
+        .build()
+        .unwrap();
+    client
+        .send_message()
+        .queue_url(queue)
+        .message_body(body)
+        .message_attributes(MESSAGE_ID_ATTRIBUTE, id)
+        .message_attributes(
+            "order-id",
+            MessageAttributeValue::builder()
+                .data_type("String")
+                .string_value("7")
+                .build()
+                .unwrap(),
+        )
+        .send()
+        .await
+        .unwrap();
+}
+
+async fn depth(client: &Client, queue: &str) -> u64 {
+    let attributes = client
+        .get_queue_attributes()
+        .queue_url(queue)
+        .attribute_names(QueueAttributeName::All)
+        .send()
+        .await
+        .unwrap();
+    let attributes = attributes.attributes().unwrap();
+    [
+        QueueAttributeName::ApproximateNumberOfMessages,
+        QueueAttributeName::ApproximateNumberOfMessagesNotVisible,
+    ]
+    .iter()
+    .map(|name| attributes[name].parse::<u64>().unwrap())
+    .sum()
+}
+
+/// Runs the SQS runner on `queue` until `done` holds: a message whose body starts with `poison`
+/// fails with "poison: …", one that starts with `declined` with "card declined", unless `cured`;
+/// returns the (message id, attempt) of each message handled.
+async fn run(client: &Client, queue: &str, cured: bool, expected: usize) -> Vec<(String, u32)> {
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let shutdown = Shutdown::new();
+    let runner = Runner::new(client.clone(), queue)
+        .wait_time(Duration::from_secs(1))
+        .shutdown_on(shutdown.clone());
+    let stats = runner.stats();
+    let handled = seen.clone();
+    let running = tokio::spawn(runner.run(move || {
+        let handled = handled.clone();
+        move |message: Message| {
+            let handled = handled.clone();
+            async move {
+                handled
+                    .lock()
+                    .unwrap()
+                    .push((message.message_id.0.clone(), message.attempt));
+                let body = String::from_utf8_lossy(&message.payload).into_owned();
+                if !cured && body.starts_with("poison") {
+                    return Err(Error::Handler(format!(
+                        "poison: {body} can never be handled"
+                    )));
+                }
+                if !cured && body.starts_with("declined") {
+                    return Err(Error::Handler("card declined".to_owned()));
+                }
+                Ok::<_, Error<String>>(Handled::Processed(()))
+            }
+        }
+    }));
+    for _ in 0..600 {
+        let now = stats();
+        if (now.processed + now.dead_lettered) as usize >= expected {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    shutdown.cancel();
+    let stats = running.await.unwrap().unwrap();
+    assert_eq!(
+        (stats.processed + stats.dead_lettered) as usize,
+        expected,
+        "{stats:?}"
+    );
+    seen.lock().unwrap().clone()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_are_listed_by_reason_shown_and_put_back_with_their_id_and_fresh_attempts() {
+    let client = sqs();
+    let name = format!("orders-{}", uuid::Uuid::new_v4().simple());
+    let dead = queue_url(&client, &format!("{name}-dead"), HashMap::new()).await;
+    let arn = client
+        .get_queue_attributes()
+        .queue_url(&dead)
+        .attribute_names(QueueAttributeName::QueueArn)
+        .send()
+        .await
+        .unwrap()
+        .attributes()
+        .unwrap()[&QueueAttributeName::QueueArn]
+        .clone();
+    let redrive = format!(r#"{{"deadLetterTargetArn":"{arn}","maxReceiveCount":"10"}}"#);
+    let queue = queue_url(
+        &client,
+        &name,
+        HashMap::from([(QueueAttributeName::RedrivePolicy, redrive)]),
+    )
+    .await;
+    send(&client, &queue, "p-1", "poison one").await;
+    send(&client, &queue, "p-2", "poison two").await;
+    send(&client, &queue, "d-1", "declined").await;
+    run(&client, &queue, false, 3).await;
+    assert_eq!(depth(&client, &dead).await, 3);
+
+    let listed = json(&["--sqs", &queue, "list"]);
+    let letters = listed["dead_letters"].as_array().unwrap();
+    assert_eq!(letters.len(), 3, "{listed}");
+    assert!(
+        letters
+            .iter()
+            .all(|l| l["source"] == queue.as_str() && l["attempts"] == 1)
+    );
+    let poisoned = json(&["--sqs", &queue, "list", "--reason", "POISON"]);
+    let mut ids: Vec<&str> = poisoned["dead_letters"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l["message_id"].as_str().unwrap())
+        .collect();
+    ids.sort();
+    assert_eq!(ids, ["p-1", "p-2"]);
+    assert!(
+        json(&["--sqs", &queue, "list", "--older-than", "1h"])["dead_letters"]
+            .as_array()
+            .unwrap()
+            .is_empty()
+    );
+    // Listing hides nothing for long: the three are visible again for the next reader.
+    let shown = json(&["--sqs-dlq", &dead, "show", "--message-id", "d-1"]);
+    let letter = &shown["dead_letters"][0];
+    assert_eq!(letter["reason"], "card declined");
+    assert_eq!(letter["headers"]["order-id"], "7");
+    assert_eq!(letter["payload"], "declined");
+    let table = dlq(&["--sqs", &queue, "list"]);
+    let table = String::from_utf8(table.stdout).unwrap();
+    assert!(
+        table.contains("MESSAGE ID") && table.contains("card declined"),
+        "{table}"
+    );
+    let missing = dlq(&["--sqs", &queue, "show", "--message-id", "nope"]);
+    assert_eq!(missing.status.code(), Some(2));
+
+    let dry = json(&[
+        "--sqs",
+        &queue,
+        "redrive",
+        "--reason",
+        "poison",
+        "--dry-run",
+    ]);
+    assert_eq!(dry["redriven"].as_array().unwrap().len(), 2, "{dry}");
+    assert_eq!(
+        (depth(&client, &dead).await, depth(&client, &queue).await),
+        (3, 0)
+    );
+    let moved = json(&["--sqs", &queue, "redrive", "--reason", "poison"]);
+    assert_eq!(moved["redriven"].as_array().unwrap().len(), 2, "{moved}");
+    assert_eq!(
+        (depth(&client, &dead).await, depth(&client, &queue).await),
+        (1, 2)
+    );
+    // The fixed consumer takes them: their own ids, on their first attempt again.
+    let mut handled = run(&client, &queue, true, 2).await;
+    handled.sort();
+    assert_eq!(handled, [("p-1".into(), 1), ("p-2".into(), 1)]);
+    let left = json(&["--sqs", &queue, "list"]);
+    assert_eq!(left["dead_letters"][0]["message_id"], "d-1", "{left}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mistakes_are_refused_with_a_sentence() {
+    let client = sqs();
+    let bare = queue_url(
+        &client,
+        &format!("bare-{}", uuid::Uuid::new_v4().simple()),
+        HashMap::new(),
+    )
+    .await;
+    let cases: [(&[&str], &str); 4] = [
+        (&["--sqs", &bare, "list"], "no redrive policy"),
+        (
+            &[
+                "--sqs",
+                &format!("{}/000000000000/nope", endpoint()),
+                "list",
+            ],
+            "does not exist",
+        ),
+        (&["list"], "--sqs"),
+        (&["--sqs", &bare, "list", "--limit", "0"], "at least 1"),
+    ];
+    for (args, expected) in cases {
+        let out = dlq(args);
+        assert_eq!(out.status.code(), Some(1), "{args:?}");
+        let said = String::from_utf8_lossy(&out.stderr);
+        assert!(said.contains(expected), "{args:?}: {said}");
+    }
+    let without = Command::new(BIN)
+        .args(["dlq", "--sqs", &bare, "list"])
+        .env_remove("AWS_ACCESS_KEY_ID")
+        .env_remove("AWS_SECRET_ACCESS_KEY")
+        .output()
+        .unwrap();
+    assert_eq!(without.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&without.stderr).contains("AWS_ACCESS_KEY_ID"));
+}
