@@ -1,34 +1,165 @@
-//! `idempotent dlq`: a broker's dead letters listed, shown and put back where they came from.
-//! SQS for now (feature `sqs`, on by default).
+//! `idempotent dlq`: a broker's dead letters listed, shown and put back where they came from, on
+//! SQS (feature `sqs`) and RabbitMQ (feature `rabbitmq`), both on by default.
 
 use std::time::{Duration, SystemTime};
 
 use clap::{Args, Subcommand};
-use idempotent::broker::sqs::DeadLetterQueue;
-use idempotent::broker::sqs::aws_sdk_sqs::config::{BehaviorVersion, Credentials, Region};
-use idempotent::broker::sqs::aws_sdk_sqs::{self, Client};
-use idempotent::broker::{DeadLetter, DeadLetterFilter};
+use idempotent::broker::{BrokerError, DeadLetter, DeadLetterFilter};
 
 use crate::output::Output;
 use crate::{Failure, args, fail};
 
-/// Which dead-letter queue.
+/// Which dead-letter queue: one of `--sqs`, `--sqs-dlq`, `--rabbitmq`, `--rabbitmq-dlq`.
 #[derive(Args, Debug)]
 pub(crate) struct Queue {
     /// The SQS queue whose dead letters to look at: its redrive policy names its dead-letter
     /// queue. Credentials and region come from the environment (AWS_ACCESS_KEY_ID,
     /// AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_REGION).
-    #[arg(long, value_name = "QUEUE_URL", required_unless_present = "sqs_dlq")]
+    #[cfg(feature = "sqs")]
+    #[arg(long, value_name = "QUEUE_URL")]
     sqs: Option<String>,
     /// The SQS dead-letter queue itself, instead of the queue whose redrive policy names it.
-    #[arg(long, value_name = "QUEUE_URL", conflicts_with = "sqs")]
+    #[cfg(feature = "sqs")]
+    #[arg(long, value_name = "QUEUE_URL")]
     sqs_dlq: Option<String>,
     /// SQS's endpoint, for a local SQS (http:// works); by default AWS_ENDPOINT_URL_SQS or
     /// AWS_ENDPOINT_URL, else AWS's own for the region.
+    #[cfg(feature = "sqs")]
     #[arg(long, value_name = "URL")]
     sqs_endpoint: Option<String>,
+    /// The RabbitMQ queue whose dead letters to look at: the runner's `<queue>.dead`.
+    #[cfg(feature = "rabbitmq")]
+    #[arg(long, value_name = "QUEUE")]
+    rabbitmq: Option<String>,
+    /// The RabbitMQ dead-letter queue itself (the runner's `dead_letters` when you named one).
+    #[cfg(feature = "rabbitmq")]
+    #[arg(long, value_name = "QUEUE")]
+    rabbitmq_dlq: Option<String>,
+    /// The RabbitMQ broker.
+    #[cfg(feature = "rabbitmq")]
+    #[arg(
+        long,
+        env = "AMQP_URL",
+        default_value = "amqp://127.0.0.1:5672/%2f",
+        hide_env_values = true
+    )]
+    amqp_url: String,
     #[command(subcommand)]
     command: DlqCommand,
+}
+
+/// A dead-letter queue of one of the brokers.
+enum DeadLetterQueue {
+    #[cfg(feature = "sqs")]
+    Sqs(idempotent::broker::sqs::DeadLetterQueue),
+    #[cfg(feature = "rabbitmq")]
+    RabbitMq(idempotent::broker::rabbitmq::DeadLetterQueue),
+}
+
+impl DeadLetterQueue {
+    /// The queue the command line names (exactly one).
+    async fn of(queue: &Queue) -> Result<Self, Failure> {
+        let named = [
+            #[cfg(feature = "sqs")]
+            queue.sqs.is_some(),
+            #[cfg(feature = "sqs")]
+            queue.sqs_dlq.is_some(),
+            #[cfg(feature = "rabbitmq")]
+            queue.rabbitmq.is_some(),
+            #[cfg(feature = "rabbitmq")]
+            queue.rabbitmq_dlq.is_some(),
+        ];
+        match named.iter().filter(|named| **named).count() {
+            1 => {}
+            0 => return Err(fail(format!("name the dead-letter queue: {QUEUE_OPTIONS}"))),
+            _ => {
+                return Err(fail(format!(
+                    "one dead-letter queue at a time: {QUEUE_OPTIONS}"
+                )));
+            }
+        }
+        #[cfg(feature = "sqs")]
+        if let Some(dlq) = &queue.sqs_dlq {
+            let client = sqs_client(queue.sqs_endpoint.as_deref())?;
+            return Ok(Self::Sqs(idempotent::broker::sqs::DeadLetterQueue::new(
+                client, dlq,
+            )));
+        }
+        #[cfg(feature = "sqs")]
+        if let Some(source) = &queue.sqs {
+            let client = sqs_client(queue.sqs_endpoint.as_deref())?;
+            let found = idempotent::broker::sqs::DeadLetterQueue::of_queue(client, source);
+            return Ok(Self::Sqs(answer_within(found, source).await??));
+        }
+        #[cfg(feature = "rabbitmq")]
+        {
+            let name = match (&queue.rabbitmq, &queue.rabbitmq_dlq) {
+                (_, Some(dlq)) => dlq.clone(),
+                (Some(source), None) => format!("{source}.dead"),
+                (None, None) => unreachable!("one queue is named"),
+            };
+            let connected =
+                idempotent::broker::rabbitmq::DeadLetterQueue::connect(&queue.amqp_url, name);
+            Ok(Self::RabbitMq(answer_within(connected, "RabbitMQ").await??))
+        }
+        #[cfg(not(feature = "rabbitmq"))]
+        unreachable!("one queue is named")
+    }
+
+    fn name(&self) -> &str {
+        match self {
+            #[cfg(feature = "sqs")]
+            Self::Sqs(queue) => queue.url(),
+            #[cfg(feature = "rabbitmq")]
+            Self::RabbitMq(queue) => queue.queue(),
+        }
+    }
+
+    async fn list(&self, filter: &DeadLetterFilter) -> Result<Vec<DeadLetter>, BrokerError> {
+        match self {
+            #[cfg(feature = "sqs")]
+            Self::Sqs(queue) => queue.list(filter).await,
+            #[cfg(feature = "rabbitmq")]
+            Self::RabbitMq(queue) => queue.list(filter).await,
+        }
+    }
+
+    async fn redrive(
+        &self,
+        filter: &DeadLetterFilter,
+        dry_run: bool,
+    ) -> Result<Vec<DeadLetter>, BrokerError> {
+        match self {
+            #[cfg(feature = "sqs")]
+            Self::Sqs(queue) => queue.redrive(filter, dry_run).await,
+            #[cfg(feature = "rabbitmq")]
+            Self::RabbitMq(queue) => queue.redrive(filter, dry_run).await,
+        }
+    }
+}
+
+/// The options that name a dead-letter queue, for the sentence that asks for one.
+const QUEUE_OPTIONS: &str = if cfg!(all(feature = "sqs", feature = "rabbitmq")) {
+    "--sqs QUEUE_URL or --sqs-dlq QUEUE_URL (SQS), --rabbitmq QUEUE or --rabbitmq-dlq QUEUE (RabbitMQ)"
+} else if cfg!(feature = "sqs") {
+    "--sqs QUEUE_URL or --sqs-dlq QUEUE_URL"
+} else {
+    "--rabbitmq QUEUE or --rabbitmq-dlq QUEUE"
+};
+
+/// How long the tool waits for a broker to answer at first.
+const ANSWER_WITHIN: Duration = Duration::from_secs(30);
+
+/// `future`'s output, or a sentence when `broker` did not answer in time.
+async fn answer_within<T>(future: impl Future<Output = T>, broker: &str) -> Result<T, Failure> {
+    tokio::time::timeout(ANSWER_WITHIN, future)
+        .await
+        .map_err(|_| {
+            fail(format!(
+                "{broker} did not answer within {} s",
+                ANSWER_WITHIN.as_secs()
+            ))
+        })
 }
 
 #[derive(Subcommand, Debug)]
@@ -40,7 +171,7 @@ enum DlqCommand {
     },
     /// The dead letters of one message id, with their headers and payload.
     Show {
-        /// The message id (the `message-id` attribute).
+        /// The message id (SQS: the `message-id` attribute; RabbitMQ: the `message_id` property).
         #[arg(long)]
         message_id: String,
     },
@@ -100,17 +231,7 @@ impl FilterArgs {
 
 /// Runs `idempotent dlq …`.
 pub(crate) async fn run(queue: Queue, out: Output) -> Result<(), Failure> {
-    let client = client(queue.sqs_endpoint.as_deref())?;
-    let dead_letters = match (&queue.sqs, &queue.sqs_dlq) {
-        (_, Some(dlq)) => DeadLetterQueue::new(client, dlq),
-        (Some(source), None) => tokio::time::timeout(
-            Duration::from_secs(30),
-            DeadLetterQueue::of_queue(client, source),
-        )
-        .await
-        .map_err(|_| fail(format!("SQS did not answer for {source} within 30 s")))??,
-        (None, None) => unreachable!("clap requires one"),
-    };
+    let dead_letters = DeadLetterQueue::of(&queue).await?;
     let now = SystemTime::now();
     match queue.command {
         DlqCommand::List { filter } => {
@@ -122,7 +243,7 @@ pub(crate) async fn run(queue: Queue, out: Output) -> Result<(), Failure> {
             if letters.is_empty() {
                 return Err(Failure::NotFound(format!(
                     "no dead letter of message id {message_id:?} in {}",
-                    dead_letters.url()
+                    dead_letters.name()
                 )));
             }
             out.dead_letters_in_full(&letters, now)
@@ -137,8 +258,13 @@ pub(crate) async fn run(queue: Queue, out: Output) -> Result<(), Failure> {
 
 /// An SQS client: the endpoint given or the environment's, the environment's credentials and
 /// region, HTTPS (or plain HTTP to a local SQS) through rustls.
-fn client(endpoint: Option<&str>) -> Result<Client, Failure> {
+#[cfg(feature = "sqs")]
+fn sqs_client(
+    endpoint: Option<&str>,
+) -> Result<idempotent::broker::sqs::aws_sdk_sqs::Client, Failure> {
     use aws_smithy_http_client::tls::{Provider, rustls_provider::CryptoMode};
+    use idempotent::broker::sqs::aws_sdk_sqs::config::{BehaviorVersion, Credentials, Region};
+    use idempotent::broker::sqs::aws_sdk_sqs::{self, Client};
     let env = |name: &str| std::env::var(name).ok().filter(|value| !value.is_empty());
     let region = env("AWS_REGION")
         .or_else(|| env("AWS_DEFAULT_REGION"))

@@ -18,6 +18,7 @@
 //! idempotent dlq --sqs QUEUE_URL list [--reason poison] [--older-than 1h] [--limit 50]
 //! idempotent dlq --sqs QUEUE_URL show --message-id ID    a dead letter's headers and payload
 //! idempotent dlq --sqs QUEUE_URL redrive [--reason …] [--older-than …] [--dry-run]
+//! idempotent dlq --rabbitmq payments [--amqp-url amqp://…] list | show | redrive   (payments.dead)
 //! ```
 //!
 //! Tables for people by default, `--json` for scripts. Exit status: 0, 1 on an error (a wrong
@@ -32,7 +33,9 @@
 //! taken back to its queue with its body and attributes (its message id among them, so the
 //! consumer's inbox drops those already processed) and deletes it from the dead-letter queue: it
 //! starts again at attempt 1. Reading an SQS queue is receiving from it: while `list` or `redrive`
-//! runs, the dead letters are hidden from other readers, and visible again when it ends.
+//! runs, the dead letters are hidden from other readers, and visible again when it ends. On
+//! RabbitMQ (`--rabbitmq QUEUE`: the runner's `QUEUE.dead`; `--amqp-url` or `AMQP_URL`) the same,
+//! with `basic.get` on a channel of its own whose close gives back what it did not move.
 //!
 //! - The tool connects once before anything else and reports why it could not (`Connection
 //!   refused`), each cause of an error once. On SQLite only `migrate` creates the database file:
@@ -47,7 +50,7 @@
 #![warn(missing_docs, unreachable_pub)]
 
 mod args;
-#[cfg(feature = "sqs")]
+#[cfg(any(feature = "sqs", feature = "rabbitmq"))]
 mod dlq;
 mod output;
 
@@ -169,7 +172,7 @@ enum Command {
     },
     /// A broker's dead letters: list them, show one, put them back where they came from (no
     /// database needed).
-    #[cfg(feature = "sqs")]
+    #[cfg(any(feature = "sqs", feature = "rabbitmq"))]
     Dlq(dlq::Queue),
     /// The transactional outbox: its outgoing messages, the parked ones, and retrying them.
     Outbox {
@@ -308,7 +311,7 @@ fn scheme(url: &str) -> Result<Scheme, Failure> {
 }
 
 async fn run(cli: Cli) -> Result<(), Failure> {
-    #[cfg(feature = "sqs")]
+    #[cfg(any(feature = "sqs", feature = "rabbitmq"))]
     if let Command::Dlq(queue) = cli.command {
         return dlq::run(queue, Output { json: cli.json }).await;
     }
@@ -408,7 +411,7 @@ async fn command<DB: Backend>(
 ) -> Result<(), Failure> {
     match command {
         Command::Ddl { .. } => unreachable!("printed without a connection"),
-        #[cfg(feature = "sqs")]
+        #[cfg(any(feature = "sqs", feature = "rabbitmq"))]
         Command::Dlq(_) => unreachable!("run without a database"),
         Command::Migrate => out.migration(inbox.table(), inbox.migrate().await?),
         Command::Stats => out.stats(&inbox.stats().await?),

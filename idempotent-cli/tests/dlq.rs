@@ -1,8 +1,8 @@
-//! `idempotent dlq` against a local SQS (`IDEMPOTENT_SQS_URL`, moto's server, as `scripts/test`
-//! starts it): dead letters the SQS runner wrote, listed by reason, shown, put back (a dry run
-//! first) with their message id kept and their attempts starting again, and the mistakes an
-//! operator makes refused with a sentence.
-#![cfg(feature = "sqs")]
+//! `idempotent dlq` against a local SQS (`IDEMPOTENT_SQS_URL`, moto's server) and RabbitMQ
+//! (`IDEMPOTENT_AMQP_URL`), as `scripts/test` starts them: dead letters the runners wrote, listed by
+//! reason, shown, put back (a dry run first) with their message id kept and their attempts starting
+//! again, and the mistakes an operator makes refused with a sentence.
+#![cfg(all(feature = "sqs", feature = "rabbitmq"))]
 
 use std::collections::HashMap;
 use std::process::{Command, Output};
@@ -116,39 +116,48 @@ async fn depth(client: &Client, queue: &str) -> u64 {
     .sum()
 }
 
-/// Runs the SQS runner on `queue` until `done` holds: a message whose body starts with `poison`
-/// fails with "poison: …", one that starts with `declined` with "card declined", unless `cured`;
-/// returns the (message id, attempt) of each message handled.
-async fn run(client: &Client, queue: &str, cured: bool, expected: usize) -> Vec<(String, u32)> {
-    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-    let shutdown = Shutdown::new();
-    let runner = Runner::new(client.clone(), queue)
-        .wait_time(Duration::from_secs(1))
-        .shutdown_on(shutdown.clone());
-    let stats = runner.stats();
-    let handled = seen.clone();
-    let running = tokio::spawn(runner.run(move || {
-        let handled = handled.clone();
-        move |message: Message| {
-            let handled = handled.clone();
-            async move {
-                handled
-                    .lock()
-                    .unwrap()
-                    .push((message.message_id.0.clone(), message.attempt));
-                let body = String::from_utf8_lossy(&message.payload).into_owned();
-                if !cured && body.starts_with("poison") {
-                    return Err(Error::Handler(format!(
-                        "poison: {body} can never be handled"
-                    )));
-                }
-                if !cured && body.starts_with("declined") {
-                    return Err(Error::Handler("card declined".to_owned()));
-                }
-                Ok::<_, Error<String>>(Handled::Processed(()))
+/// The (message id, attempt) of each message a handler of [`handler`] took.
+type Seen = std::sync::Arc<std::sync::Mutex<Vec<(String, u32)>>>;
+
+/// A runner's worker: a message whose body starts with `poison` fails with "poison: …", one that
+/// starts with `declined` with "card declined", unless `cured`; each is noted in `seen`.
+fn handler(seen: &Seen, cured: bool) -> impl FnMut(Message) -> HandlerFuture + Send + 'static {
+    let seen = seen.clone();
+    move |message: Message| {
+        let seen = seen.clone();
+        Box::pin(async move {
+            seen.lock()
+                .unwrap()
+                .push((message.message_id.0.clone(), message.attempt));
+            let body = String::from_utf8_lossy(&message.payload).into_owned();
+            if !cured && body.starts_with("poison") {
+                return Err(Error::Handler(format!(
+                    "poison: {body} can never be handled"
+                )));
             }
-        }
-    }));
+            if !cured && body.starts_with("declined") {
+                return Err(Error::Handler("card declined".to_owned()));
+            }
+            Ok(Handled::Processed(()))
+        })
+    }
+}
+
+/// A handler's future.
+type HandlerFuture =
+    std::pin::Pin<Box<dyn Future<Output = Result<Handled<()>, Error<String>>> + Send>>;
+
+/// Waits until the runner counted `expected` outcomes (processed or dead-lettered), then shuts it
+/// down; returns what the handlers saw.
+async fn until_settled(
+    running: tokio::task::JoinHandle<
+        Result<idempotent::broker::RunnerStats, idempotent::broker::BrokerError>,
+    >,
+    stats: impl Fn() -> idempotent::broker::RunnerStats,
+    shutdown: Shutdown,
+    seen: Seen,
+    expected: usize,
+) -> Vec<(String, u32)> {
     for _ in 0..600 {
         let now = stats();
         if (now.processed + now.dead_lettered) as usize >= expected {
@@ -163,7 +172,42 @@ async fn run(client: &Client, queue: &str, cured: bool, expected: usize) -> Vec<
         expected,
         "{stats:?}"
     );
-    seen.lock().unwrap().clone()
+    let mut seen = seen.lock().unwrap().clone();
+    seen.sort();
+    seen
+}
+
+/// Runs the SQS runner on `queue` with [`handler`] until `expected` messages are settled.
+async fn run(client: &Client, queue: &str, cured: bool, expected: usize) -> Vec<(String, u32)> {
+    let seen = Seen::default();
+    let shutdown = Shutdown::new();
+    let runner = Runner::new(client.clone(), queue)
+        .wait_time(Duration::from_secs(1))
+        .shutdown_on(shutdown.clone());
+    let stats = runner.stats();
+    let worker = handler(&seen, cured);
+    let mut workers = Some(worker);
+    let running = tokio::spawn(runner.run(move || workers.take().expect("one worker")));
+    until_settled(running, stats, shutdown, seen, expected).await
+}
+
+/// Runs the RabbitMQ runner on `queue` with [`handler`] until `expected` messages are settled.
+async fn run_rabbitmq(queue: &str, cured: bool, expected: usize) -> Vec<(String, u32)> {
+    let seen = Seen::default();
+    let shutdown = Shutdown::new();
+    let runner = idempotent::broker::rabbitmq::Runner::connect(amqp_url(), queue)
+        .shutdown_on(shutdown.clone());
+    let stats = runner.stats();
+    let worker = handler(&seen, cured);
+    let mut workers = Some(worker);
+    let running = tokio::spawn(runner.run(move || workers.take().expect("one worker")));
+    until_settled(running, stats, shutdown, seen, expected).await
+}
+
+fn amqp_url() -> String {
+    std::env::var("IDEMPOTENT_AMQP_URL").expect(
+        "IDEMPOTENT_AMQP_URL is not set: run the tests with scripts/test, which starts RabbitMQ",
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -252,8 +296,7 @@ async fn dead_letters_are_listed_by_reason_shown_and_put_back_with_their_id_and_
         (1, 2)
     );
     // The fixed consumer takes them: their own ids, on their first attempt again.
-    let mut handled = run(&client, &queue, true, 2).await;
-    handled.sort();
+    let handled = run(&client, &queue, true, 2).await;
     assert_eq!(handled, [("p-1".into(), 1), ("p-2".into(), 1)]);
     let left = json(&["--sqs", &queue, "list"]);
     assert_eq!(left["dead_letters"][0]["message_id"], "d-1", "{left}");
@@ -278,7 +321,7 @@ async fn mistakes_are_refused_with_a_sentence() {
             ],
             "does not exist",
         ),
-        (&["list"], "--sqs"),
+        (&["list"], "name the dead-letter queue"),
         (&["--sqs", &bare, "list", "--limit", "0"], "at least 1"),
     ];
     for (args, expected) in cases {
@@ -295,4 +338,84 @@ async fn mistakes_are_refused_with_a_sentence() {
         .unwrap();
     assert_eq!(without.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&without.stderr).contains("AWS_ACCESS_KEY_ID"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rabbitmq_dead_letters_are_listed_and_put_back_with_their_id_and_fresh_attempts() {
+    use idempotent::broker::rabbitmq::lapin::options::{BasicPublishOptions, QueueDeclareOptions};
+    use idempotent::broker::rabbitmq::lapin::types::FieldTable;
+    use idempotent::broker::rabbitmq::lapin::{BasicProperties, Connection, ConnectionProperties};
+
+    let connection = Connection::connect(&amqp_url(), ConnectionProperties::default())
+        .await
+        .unwrap();
+    let channel = connection.create_channel().await.unwrap();
+    let queue = format!("orders-{}", uuid::Uuid::new_v4().simple());
+    channel
+        .queue_declare(
+            queue.as_str().into(),
+            QueueDeclareOptions::durable(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    for (id, body) in [
+        ("p-1", "poison one"),
+        ("p-2", "poison two"),
+        ("d-1", "declined"),
+    ] {
+        channel
+            .basic_publish(
+                "".into(),
+                queue.as_str().into(),
+                BasicPublishOptions::default(),
+                body.as_bytes(),
+                BasicProperties::default()
+                    .with_message_id(id.into())
+                    .with_delivery_mode(2),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+    run_rabbitmq(&queue, false, 3).await;
+    let rabbitmq = |args: &[&str]| {
+        let mut all = vec!["--rabbitmq", queue.as_str(), "--amqp-url"];
+        let url = amqp_url();
+        all.push(&url);
+        all.extend_from_slice(args);
+        json(&all)
+    };
+    let listed = rabbitmq(&["list"]);
+    let letters = listed["dead_letters"].as_array().unwrap();
+    assert_eq!(letters.len(), 3, "{listed}");
+    assert!(
+        letters
+            .iter()
+            .all(|l| l["source"] == queue.as_str() && l["attempts"] == 1)
+    );
+    assert!(
+        letters.iter().all(|l| l["age_seconds"].as_u64().is_some()),
+        "{listed}"
+    );
+    // The listing gave them back, in their order.
+    let again = rabbitmq(&["list"]);
+    let ids: Vec<&str> = again["dead_letters"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l["message_id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["p-1", "p-2", "d-1"]);
+    let dry = rabbitmq(&["redrive", "--reason", "poison", "--dry-run"]);
+    assert_eq!(dry["redriven"].as_array().unwrap().len(), 2, "{dry}");
+    let moved = rabbitmq(&["redrive", "--reason", "poison"]);
+    assert_eq!(moved["redriven"].as_array().unwrap().len(), 2, "{moved}");
+    let handled = run_rabbitmq(&queue, true, 2).await;
+    assert_eq!(handled, [("p-1".into(), 1), ("p-2".into(), 1)]);
+    let left = rabbitmq(&["list"]);
+    assert_eq!(left["dead_letters"].as_array().unwrap().len(), 1, "{left}");
+    assert_eq!(left["dead_letters"][0]["message_id"], "d-1");
+    assert_eq!(left["dead_letters"][0]["reason"], "card declined");
 }

@@ -57,7 +57,8 @@
 //! accident.)
 //!
 //! **Dead letters** are published to `<queue>.dead` (or the queue you name) with the headers
-//! `x-idempotent-reason`, `x-idempotent-attempts` and `x-idempotent-queue`, and acknowledged once
+//! `x-idempotent-reason`, `x-idempotent-attempts`, `x-idempotent-queue` and
+//! `x-idempotent-dead-lettered-at`, and acknowledged once
 //! the broker confirmed them. The runner declares these queues (durable) when it starts (and on
 //! each reconnect): a dead-letter queue the broker refuses to declare (it exists with other
 //! arguments, another connection holds it exclusively) stops the runner at start with
@@ -85,12 +86,16 @@ pub use publisher::OutboxPublisher;
 
 mod confirms;
 mod consumer;
+mod dead_letters;
 mod delay_queues;
 mod delivery;
 mod headers;
 
 pub use consumer::Connector;
-pub use headers::{ATTEMPT_HEADER, ATTEMPTS_HEADER, QUEUE_HEADER, REASON_HEADER};
+pub use dead_letters::DeadLetterQueue;
+pub use headers::{
+    ATTEMPT_HEADER, ATTEMPTS_HEADER, DEAD_LETTERED_AT_HEADER, QUEUE_HEADER, REASON_HEADER,
+};
 
 use std::fmt;
 use std::future::Future;

@@ -10,7 +10,9 @@ use lapin::{BasicProperties, Confirmation};
 
 use super::confirms::ConfirmChannels;
 use super::delay_queues::is_retry_queue;
-use super::headers::{ATTEMPT_HEADER, ATTEMPTS_HEADER, QUEUE_HEADER, REASON_HEADER};
+use super::headers::{
+    ATTEMPT_HEADER, ATTEMPTS_HEADER, DEAD_LETTERED_AT_HEADER, QUEUE_HEADER, REASON_HEADER,
+};
 use crate::broker::delivery::Delivery;
 use crate::broker::error::BrokerError;
 use crate::broker::message::{Message, MessageId, Redelivered};
@@ -206,6 +208,7 @@ impl Delivery for AmqpDelivery {
                         QUEUE_HEADER,
                         AMQPValue::LongString(self.context.setup.queue.as_str().into()),
                     ),
+                    (DEAD_LETTERED_AT_HEADER, AMQPValue::LongLongInt(now_ms())),
                 ];
                 let mut remove = DEATH_HEADERS.to_vec();
                 remove.push(ATTEMPT_HEADER);
@@ -236,7 +239,7 @@ fn bytes(value: &AMQPValue) -> Option<&[u8]> {
     }
 }
 
-fn integer(value: &AMQPValue) -> Option<u32> {
+pub(super) fn integer(value: &AMQPValue) -> Option<u32> {
     let n = match value {
         AMQPValue::ShortShortUInt(n) => i64::from(*n),
         AMQPValue::ShortUInt(n) => i64::from(*n),
@@ -250,10 +253,19 @@ fn integer(value: &AMQPValue) -> Option<u32> {
     u32::try_from(n).ok()
 }
 
-fn text(value: &AMQPValue) -> Option<String> {
+pub(super) fn text(value: &AMQPValue) -> Option<String> {
     match value {
         AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
         AMQPValue::ShortString(s) => Some(s.as_str().to_owned()),
         other => integer(other).map(|n| n.to_string()),
     }
+}
+
+/// Now, in milliseconds since the Unix epoch.
+fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| {
+            i64::try_from(since.as_millis()).unwrap_or(i64::MAX)
+        })
 }

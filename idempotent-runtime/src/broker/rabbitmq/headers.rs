@@ -9,3 +9,5 @@ pub const REASON_HEADER: &str = "x-idempotent-reason";
 pub const ATTEMPTS_HEADER: &str = "x-idempotent-attempts";
 /// The header that names the queue a dead letter came from.
 pub const QUEUE_HEADER: &str = "x-idempotent-queue";
+/// The header that says when a message was dead-lettered, in milliseconds since the Unix epoch.
+pub const DEAD_LETTERED_AT_HEADER: &str = "x-idempotent-dead-lettered-at";
