@@ -7,6 +7,7 @@ use std::time::Duration;
 use super::delivery::Delivery;
 use super::drive::{DeliveriesAtOnce, WorkerFuture};
 use super::message::Message;
+use super::panicked::caught;
 use super::route::{Route, inbox_failure_reason};
 use super::settle::Settler;
 use crate::error::Error;
@@ -113,12 +114,26 @@ where
             }
             let (deliveries, messages): (Vec<D>, Vec<Message>) = taken.into_iter().unzip();
             let span = tracing::info_span!("batch", size = messages.len());
-            let outcomes =
+            let outcomes = caught(|| {
                 tracing::Instrument::instrument(run_batch(&mut worker, &consumer, &messages), span)
-                    .await;
+            })
+            .await;
             let policy = &settler.policy;
             let routes: Vec<(Route, bool)> = match &outcomes {
-                Ok(outcomes) => outcomes
+                Err(panicked) => {
+                    // The batch's transaction went with the panic: every message tries again.
+                    tracing::warn!(reason = %panicked, "a body of the batch panicked");
+                    messages
+                        .iter()
+                        .map(|message| {
+                            (
+                                Route::failure(true, panicked, message.attempt, policy),
+                                false,
+                            )
+                        })
+                        .collect()
+                }
+                Ok(Ok(outcomes)) => outcomes
                     .iter()
                     .zip(&messages)
                     .map(|(outcome, message)| {
@@ -126,7 +141,7 @@ where
                         (Route::of(outcome, message.attempt, policy), duplicate)
                     })
                     .collect(),
-                Err(error) => {
+                Ok(Err(error)) => {
                     // Every message shares the batch's fate.
                     let reason = inbox_failure_reason(error);
                     tracing::warn!(%reason, "the batch failed as a whole");

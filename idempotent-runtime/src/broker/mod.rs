@@ -38,6 +38,7 @@ mod message;
 mod one_at_a_time;
 mod options;
 mod outage;
+mod panicked;
 mod retry;
 mod route;
 mod settle;

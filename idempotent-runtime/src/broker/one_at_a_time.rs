@@ -8,6 +8,7 @@ use std::sync::Arc;
 use super::delivery::Delivery;
 use super::drive::WorkerFuture;
 use super::message::Message;
+use super::panicked::caught;
 use super::route::Route;
 use super::settle::Settler;
 use crate::error::Error;
@@ -62,7 +63,7 @@ where
         route = tracing::field::Empty,
     );
     let outcome = {
-        let call = tracing::Instrument::instrument(worker(message), span.clone());
+        let call = caught(|| tracing::Instrument::instrument(worker(message), span.clone()));
         tokio::pin!(call);
         let alive = delivery.keep_alive();
         tokio::pin!(alive);
@@ -71,8 +72,16 @@ where
             () = &mut alive => call.await,
         }
     };
-    let route = Route::of(&outcome, attempt, &settler.policy);
-    let duplicate = matches!(outcome, Ok(Handled::Duplicate { .. }));
+    let (route, duplicate) = match &outcome {
+        Ok(outcome) => (
+            Route::of(outcome, attempt, &settler.policy),
+            matches!(outcome, Ok(Handled::Duplicate { .. })),
+        ),
+        Err(panicked) => {
+            let route = Route::failure(true, panicked, attempt, &settler.policy);
+            (route, false)
+        }
+    };
     span.record("route", tracing::field::debug(&route));
     match &route {
         Route::Ack => {}

@@ -95,7 +95,7 @@ pub(super) fn inbox_failure_reason(error: &crate::error::InboxError) -> String {
 }
 
 /// At most a thousand bytes of `text`.
-fn truncate_for_header(mut text: String) -> String {
+pub(super) fn truncate_for_header(mut text: String) -> String {
     // Headers are no place for a novel.
     if text.len() > 1000 {
         let mut end = 1000;

@@ -160,10 +160,12 @@ impl Runner {
         self
     }
 
-    /// Receives messages with this visibility timeout (whole seconds, at most 12 hours) instead of
-    /// the queue's, and extends it by as much while a handler runs.
+    /// Receives messages with this visibility timeout instead of the queue's, and extends it by as
+    /// much while a handler runs: whole seconds (rounded up), from 1 s to 12 hours.
     pub fn visibility_timeout(mut self, timeout: Duration) -> Self {
-        self.visibility_timeout = Some(timeout.min(delivery::LONGEST_VISIBILITY));
+        let seconds = timeout.as_secs_f64().ceil().max(1.0);
+        let longest = delivery::LONGEST_VISIBILITY.as_secs_f64();
+        self.visibility_timeout = Some(Duration::from_secs_f64(seconds.min(longest)));
         self
     }
 
@@ -278,7 +280,12 @@ impl Runner {
         };
         let context = Arc::new(Context {
             client: self.client.clone(),
-            deletes: Deletes::start(self.client.clone(), self.queue_url.clone()),
+            deletes: Deletes::start(
+                self.client.clone(),
+                self.queue_url.clone(),
+                self.options.publish_timeout,
+            ),
+            in_flight: Arc::default(),
             queue_url: self.queue_url.clone(),
             dead_letters: queue.dead_letters,
             message_id_attribute: self.message_id_attribute,

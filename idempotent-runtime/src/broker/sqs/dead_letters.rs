@@ -19,6 +19,9 @@ use crate::broker::error::BrokerError;
 /// those not put back are made visible again at its end.
 const HIDDEN_WHILE_READ: Duration = Duration::from_secs(120);
 
+/// How long each request to make messages visible again waits for SQS's answer.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// The most messages one listing or redrive reads.
 const MOST_READ: usize = 100_000;
 
@@ -73,6 +76,7 @@ impl DeadLetterQueue {
             &self.client,
             &self.url,
             read.iter().map(|(message, _)| message),
+            REQUEST_TIMEOUT,
         )
         .await;
         Ok(letters)
@@ -103,7 +107,13 @@ impl DeadLetterQueue {
         let left = read
             .iter()
             .filter(|(_, letter)| dry_run || !moved.iter().any(|done| done.id == letter.id));
-        make_visible(&self.client, &self.url, left.map(|(message, _)| message)).await;
+        make_visible(
+            &self.client,
+            &self.url,
+            left.map(|(message, _)| message),
+            REQUEST_TIMEOUT,
+        )
+        .await;
         match failed {
             Some(error) => Err(error),
             None => Ok(moved),
@@ -177,6 +187,7 @@ impl DeadLetterQueue {
                         &self.client,
                         &self.url,
                         read.iter().map(|(message, _)| message),
+                        REQUEST_TIMEOUT,
                     )
                     .await;
                     return Err(error);

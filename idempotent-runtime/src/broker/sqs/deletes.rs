@@ -2,11 +2,13 @@
 //! to ten, each delivery told its own entry's answer.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use aws_sdk_sqs::Client;
 use aws_sdk_sqs::types::DeleteMessageBatchRequestEntry;
 use tokio::sync::{Semaphore, mpsc, oneshot};
 
+use super::delivery::within;
 use super::failure::Failure;
 
 /// The most entries SQS takes in one batch request.
@@ -26,11 +28,12 @@ pub(super) struct Deletes {
 }
 
 impl Deletes {
-    /// Starts the task that sends the deletes of the queue at `url`; it ends once every handle is
-    /// dropped and the deletes asked for are answered.
-    pub(super) fn start(client: Client, url: String) -> Self {
+    /// Starts the task that sends the deletes of the queue at `url`, each request waiting at most
+    /// `timeout` for SQS; it ends once every handle is dropped and the deletes asked for are
+    /// answered.
+    pub(super) fn start(client: Client, url: String, timeout: Duration) -> Self {
         let (asks, received) = mpsc::unbounded_channel();
-        tokio::spawn(send_batches(client, url, received));
+        tokio::spawn(send_batches(client, url, timeout, received));
         Self { asks }
     }
 
@@ -49,7 +52,12 @@ impl Deletes {
 
 /// Takes the deletes asked for, up to ten at a time, and sends each group as one batch request
 /// once one of the [`AT_ONCE`] places is free.
-async fn send_batches(client: Client, url: String, mut received: mpsc::UnboundedReceiver<Asked>) {
+async fn send_batches(
+    client: Client,
+    url: String,
+    timeout: Duration,
+    mut received: mpsc::UnboundedReceiver<Asked>,
+) {
     let places = Arc::new(Semaphore::new(AT_ONCE));
     let url: Arc<str> = url.into();
     loop {
@@ -66,7 +74,7 @@ async fn send_batches(client: Client, url: String, mut received: mpsc::Unbounded
         }
         let (client, url) = (client.clone(), url.clone());
         tokio::spawn(async move {
-            send_batch(&client, &url, batch).await;
+            send_batch(&client, &url, timeout, batch).await;
             drop(place);
         });
     }
@@ -75,7 +83,7 @@ async fn send_batches(client: Client, url: String, mut received: mpsc::Unbounded
 }
 
 /// Sends one batch request and tells each delete its entry's answer.
-async fn send_batch(client: &Client, url: &str, batch: Vec<Asked>) {
+async fn send_batch(client: &Client, url: &str, timeout: Duration, batch: Vec<Asked>) {
     let entries = batch
         .iter()
         .enumerate()
@@ -87,12 +95,16 @@ async fn send_batch(client: &Client, url: &str, batch: Vec<Asked>) {
                 .expect("id and receipt handle are set")
         })
         .collect::<Vec<_>>();
-    let sent = client
-        .delete_message_batch()
-        .queue_url(url)
-        .set_entries(Some(entries))
-        .send()
-        .await;
+    let sent = within(timeout, async {
+        client
+            .delete_message_batch()
+            .queue_url(url)
+            .set_entries(Some(entries))
+            .send()
+            .await
+            .map_err(|error| Failure::of(&error, url))
+    })
+    .await;
     match sent {
         Ok(answer) => {
             let mut answers: Vec<Option<Result<(), Failure>>> =
@@ -136,8 +148,8 @@ async fn send_batch(client: &Client, url: &str, batch: Vec<Asked>) {
                 let _ = answer.send(said);
             }
         }
-        Err(error) => {
-            let said = Failure::of(&error, url).to_string();
+        Err(failure) => {
+            let said = failure.to_string();
             for (_, answer) in batch {
                 let _ = answer.send(Err(Failure::Unavailable(said.clone())));
             }

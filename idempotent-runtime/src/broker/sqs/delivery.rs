@@ -2,7 +2,8 @@
 //! settles it (delete, a longer visibility timeout, or a dead letter sent and then deleted).
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
 
 use aws_sdk_sqs::Client;
 use aws_sdk_sqs::types::{MessageAttributeValue, MessageSystemAttributeName};
@@ -19,8 +20,11 @@ use crate::markers::DeliveryTag;
 /// The most message attributes SQS keeps on a message.
 const MOST_ATTRIBUTES: usize = 10;
 
-/// The longest visibility timeout SQS allows (12 hours).
+/// The longest visibility timeout SQS allows (12 hours), counted from the message's receive.
 pub(super) const LONGEST_VISIBILITY: Duration = Duration::from_secs(12 * 60 * 60);
+
+/// Kept off the 12 hours, for the clocks' difference and the request's way to SQS.
+const VISIBILITY_MARGIN: Duration = Duration::from_secs(30);
 
 /// What every delivery of one runner needs to settle.
 #[derive(Debug)]
@@ -30,8 +34,52 @@ pub(super) struct Context {
     pub(super) dead_letters: String,
     pub(super) message_id_attribute: String,
     pub(super) visibility_timeout: Duration,
+    /// How long any request but a receive waits for SQS's answer (the runner's publish timeout).
     pub(super) publish_timeout: Duration,
     pub(super) deletes: Deletes,
+    /// The messages handed to workers and not yet settled.
+    pub(super) in_flight: Arc<AtomicUsize>,
+}
+
+impl Context {
+    /// Waits at most the publish timeout for `request`; past it, SQS is unavailable.
+    pub(super) async fn within<T>(
+        &self,
+        request: impl Future<Output = Result<T, Failure>>,
+    ) -> Result<T, Failure> {
+        within(self.publish_timeout, request).await
+    }
+}
+
+/// Waits at most `timeout` for `request`; past it, SQS is unavailable.
+pub(super) async fn within<T>(
+    timeout: Duration,
+    request: impl Future<Output = Result<T, Failure>>,
+) -> Result<T, Failure> {
+    tokio::time::timeout(timeout, request)
+        .await
+        .unwrap_or_else(|_| {
+            Err(Failure::Unavailable(format!(
+                "SQS did not answer within {timeout:?}"
+            )))
+        })
+}
+
+/// A message handed to a worker and not yet settled, counted in [`Context::in_flight`] until it
+/// is dropped.
+pub(super) struct InFlight(Arc<AtomicUsize>);
+
+impl InFlight {
+    pub(super) fn new(count: &Arc<AtomicUsize>) -> Self {
+        count.fetch_add(1, Ordering::SeqCst);
+        Self(count.clone())
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 /// One received message.
@@ -39,6 +87,9 @@ pub(super) struct SqsDelivery {
     pub(super) message: aws_sdk_sqs::types::Message,
     /// The runner's count of the deliveries it received: this one's number.
     pub(super) number: u64,
+    /// When its receive was answered: SQS's 12 hours of visibility count from there.
+    pub(super) received_at: Instant,
+    pub(super) _in_flight: InFlight,
     pub(super) context: Arc<Context>,
 }
 
@@ -62,19 +113,26 @@ impl SqsDelivery {
             .max(1)
     }
 
-    /// Makes the message visible again after `after` (at most 12 hours, SQS's limit).
+    /// Makes the message visible again after `after`, in whole seconds, and no later than SQS
+    /// allows: 12 hours after its receive.
     async fn hide_for(&self, after: Duration) -> Result<(), BrokerError> {
-        let seconds = after.min(LONGEST_VISIBILITY).as_secs_f64().ceil() as i32;
-        self.context
-            .client
-            .change_message_visibility()
-            .queue_url(&self.context.queue_url)
-            .receipt_handle(self.receipt_handle())
-            .visibility_timeout(seconds)
-            .send()
-            .await
-            .map(|_| ())
-            .map_err(|error| BrokerError::broker(Failure::of(&error, &self.context.queue_url)))
+        let left =
+            LONGEST_VISIBILITY.saturating_sub(self.received_at.elapsed() + VISIBILITY_MARGIN);
+        let seconds = after.min(left).as_secs_f64().ceil() as i32;
+        let context = &self.context;
+        let hidden = context.within(async {
+            context
+                .client
+                .change_message_visibility()
+                .queue_url(&context.queue_url)
+                .receipt_handle(self.receipt_handle())
+                .visibility_timeout(seconds)
+                .send()
+                .await
+                .map(|_| ())
+                .map_err(|error| Failure::of(&error, &context.queue_url))
+        });
+        hidden.await.map_err(BrokerError::broker)
     }
 
     /// Sends the dead letter of this message to the dead-letter queue: its body and attributes, and

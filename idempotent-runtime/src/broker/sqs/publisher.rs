@@ -33,7 +33,7 @@ const LONGEST_FIFO_ID: usize = 128;
 /// | SQS | the relay |
 /// |---|---|
 /// | answers with the message's id | marks the row sent |
-/// | no such queue, too large, contents or attributes it refuses, more than nine headers, a payload that is not UTF-8 (SQS bodies are text), a destination with an exchange | [`PublishError::Rejected`]: an attempt; parked after the last |
+/// | no such queue, too large, contents or attributes it refuses, more than nine headers, a header named `message-id`, a payload that is not UTF-8 (SQS bodies are text), a destination with an exchange | [`PublishError::Rejected`]: an attempt; parked after the last |
 /// | no answer within the timeout, throttling, its own errors, no connection | [`PublishError::Unavailable`]: left pending |
 ///
 /// [`Destination::queue`]: crate::outbox::Destination::queue
@@ -107,6 +107,15 @@ impl Publisher for OutboxPublisher {
                 "SQS keeps at most {MOST_ATTRIBUTES} attributes on a message, and this one has {} \
                  headers besides its message id",
                 publication.headers.len()
+            )));
+        }
+        if let Some((name, _)) = publication
+            .headers
+            .iter()
+            .find(|(name, _)| name.eq_ignore_ascii_case(MESSAGE_ID_ATTRIBUTE))
+        {
+            return Err(PublishError::rejected(format!(
+                "a header named {name:?} would stand in for the message's id, the consumer's key"
             )));
         }
         let answer = async {

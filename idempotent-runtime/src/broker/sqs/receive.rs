@@ -3,7 +3,8 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
-use std::time::Duration;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
 
 use aws_sdk_sqs::types::{
     ChangeMessageVisibilityBatchRequestEntry, Message, MessageSystemAttributeName,
@@ -11,7 +12,7 @@ use aws_sdk_sqs::types::{
 use tokio::task::JoinHandle;
 
 use super::deletes::MOST_PER_BATCH;
-use super::delivery::{Context, SqsDelivery};
+use super::delivery::{Context, InFlight, SqsDelivery, within};
 use super::failure::Failure;
 use crate::broker::error::BrokerError;
 use crate::broker::outage::Outage;
@@ -21,33 +22,42 @@ pub(super) struct Receiver {
     pub(super) context: Arc<Context>,
     pub(super) size: usize,
     pub(super) wait: Duration,
-    pub(super) received: VecDeque<Message>,
+    /// Messages received and not yet handed out, with when their receive was answered.
+    pub(super) received: VecDeque<(Message, Instant)>,
     pub(super) count: u64,
     pub(super) outage: Outage,
     /// The receive under way, if any.
     pub(super) under_way: Option<JoinHandle<Result<Vec<Message>, Failure>>>,
 }
 
-/// One receive of up to `size` (at most ten) messages, waiting at most `wait` for them.
+/// The longest a receive waits on SQS for messages (SQS's limit).
+const MOST_WAIT: Duration = Duration::from_secs(20);
+
+/// One receive of up to `size` (at most ten) messages, waiting at most `wait` for them, and for
+/// SQS's answer at most the publish timeout longer.
 async fn receive(
     context: Arc<Context>,
     size: usize,
     wait: Duration,
 ) -> Result<Vec<Message>, Failure> {
-    context
-        .client
-        .receive_message()
-        .queue_url(&context.queue_url)
-        .max_number_of_messages(size.clamp(1, MOST_PER_BATCH) as i32)
-        .wait_time_seconds(wait.as_secs().min(20) as i32)
-        .visibility_timeout(context.visibility_timeout.as_secs() as i32)
-        .message_attribute_names("All")
-        .message_system_attribute_names(MessageSystemAttributeName::ApproximateReceiveCount)
-        .message_system_attribute_names(MessageSystemAttributeName::MessageGroupId)
-        .send()
-        .await
-        .map(|answer| answer.messages.unwrap_or_default())
-        .map_err(|error| Failure::of(&error, &context.queue_url))
+    let wait = wait.min(MOST_WAIT);
+    let request = async {
+        context
+            .client
+            .receive_message()
+            .queue_url(&context.queue_url)
+            .max_number_of_messages(size.clamp(1, MOST_PER_BATCH) as i32)
+            .wait_time_seconds(wait.as_secs() as i32)
+            .visibility_timeout(context.visibility_timeout.as_secs() as i32)
+            .message_attribute_names("All")
+            .message_system_attribute_names(MessageSystemAttributeName::ApproximateReceiveCount)
+            .message_system_attribute_names(MessageSystemAttributeName::MessageGroupId)
+            .send()
+            .await
+            .map(|answer| answer.messages.unwrap_or_default())
+            .map_err(|error| Failure::of(&error, &context.queue_url))
+    };
+    within(wait + context.publish_timeout, request).await
 }
 
 impl Receiver {
@@ -59,23 +69,31 @@ impl Receiver {
     /// takes what it brings.
     pub(super) async fn next(&mut self) -> Result<SqsDelivery, BrokerError> {
         loop {
-            if let Some(message) = self.received.pop_front() {
+            if let Some((message, received_at)) = self.received.pop_front() {
                 self.count += 1;
                 return Ok(SqsDelivery {
                     message,
                     number: self.count,
+                    received_at,
+                    _in_flight: InFlight::new(&self.context.in_flight),
                     context: self.context.clone(),
                 });
             }
             let under_way = self.under_way.get_or_insert_with(|| {
-                tokio::spawn(receive(self.context.clone(), self.size, self.wait))
+                // As many as the workers not busy with one can take (at least one: the caller is
+                // a free worker).
+                let busy = self.context.in_flight.load(Ordering::SeqCst);
+                let size = self.size.saturating_sub(busy).max(1);
+                tokio::spawn(receive(self.context.clone(), size, self.wait))
             });
             let received = under_way.await;
             self.under_way = None;
             match received {
                 Ok(Ok(messages)) => {
                     self.outage.restored();
-                    self.received.extend(messages);
+                    let now = Instant::now();
+                    self.received
+                        .extend(messages.into_iter().map(|message| (message, now)));
                 }
                 Ok(Err(Failure::NoQueue(_))) => {
                     return Err(BrokerError::Cancelled {
@@ -94,23 +112,38 @@ impl Receiver {
     /// Makes what was received but not started visible again at once, for the next consumer: the
     /// messages received before, and those the receive under way brings.
     pub(super) async fn hand_back(&mut self) {
+        let answer_within = self.wait + self.context.publish_timeout;
         if let Some(under_way) = self.under_way.take()
-            && let Ok(Ok(messages)) = under_way.await
+            && let Ok(Ok(Ok(messages))) = tokio::time::timeout(answer_within, under_way).await
         {
-            self.received.extend(messages);
+            let now = Instant::now();
+            self.received
+                .extend(messages.into_iter().map(|message| (message, now)));
         }
-        let received: Vec<_> = self.received.drain(..).collect();
-        // Should this fail, the messages come back after their visibility timeout instead.
-        make_visible(&self.context.client, &self.context.queue_url, &received).await;
+        let received: Vec<_> = self
+            .received
+            .drain(..)
+            .map(|(message, _)| message)
+            .collect();
+        let context = &self.context;
+        make_visible(
+            &context.client,
+            &context.queue_url,
+            &received,
+            context.publish_timeout,
+        )
+        .await;
     }
 }
 
-/// Makes `messages`, received from the queue at `url`, visible again at once (in batches of ten);
-/// should that fail, they come back after their visibility timeout.
+/// Makes `messages`, received from the queue at `url`, visible again at once (in batches of ten,
+/// each waiting at most `timeout`); should that fail, they come back after their visibility
+/// timeout.
 pub(super) async fn make_visible<'a>(
     client: &aws_sdk_sqs::Client,
     url: &str,
     messages: impl IntoIterator<Item = &'a Message>,
+    timeout: Duration,
 ) {
     let messages: Vec<&Message> = messages.into_iter().collect();
     for chunk in messages.chunks(MOST_PER_BATCH) {
@@ -126,11 +159,11 @@ pub(super) async fn make_visible<'a>(
                     .expect("id and receipt handle are set")
             })
             .collect();
-        let _ = client
+        let request = client
             .change_message_visibility_batch()
             .queue_url(url)
             .set_entries(Some(entries))
-            .send()
-            .await;
+            .send();
+        let _ = tokio::time::timeout(timeout, request).await;
     }
 }
