@@ -665,3 +665,36 @@ async fn attempts_count_the_runners_own_retries_only() {
     assert_eq!(letters.len(), 1);
     assert_eq!((letters[0].0.as_str(), letters[0].2), ("failing", 3));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_that_panics_is_dead_lettered_after_its_attempts_and_the_rest_flows() {
+    let (connection, channel, queue) = queue().await;
+    let shop = Shop::new().await;
+    publish(&channel, &queue, Some("panics"), Kind::Panic).await;
+    for i in 0..10 {
+        publish(&channel, &queue, Some(&format!("ok-{i}")), Kind::Ok).await;
+    }
+    let policy = RetryPolicy::new(3, Duration::from_millis(100));
+    let runner = Runner::new(channel.clone(), &queue)
+        .workers(2)
+        .retry(policy);
+    let stats = run_until(runner, &shop, async || {
+        shop.effects().await.len() == 10 && depth(&connection, &format!("{queue}.dead")).await == 1
+    })
+    .await;
+    assert_eq!(shop.attempt_numbers("panics"), [1, 2, 3]);
+    let letters = dead_letters(&channel, &format!("{queue}.dead")).await;
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    let (id, reason, attempts) = &letters[0];
+    assert_eq!((id.as_str(), *attempts), ("panics", 3));
+    assert!(
+        reason.contains("the handler panicked: the order book is corrupt"),
+        "{reason}"
+    );
+    assert_eq!(
+        (stats.processed, stats.retried, stats.dead_lettered),
+        (10, 2, 1)
+    );
+    assert!(shop.effects().await.values().all(|n| *n == 1));
+    assert_eq!(depth(&connection, &queue).await, 0);
+}

@@ -37,6 +37,8 @@ pub enum Kind {
     /// Its body fails on its first `n` attempts as a downstream service answers 503: the
     /// handler's own error, marked [`Retryable`].
     Unavailable(u32),
+    /// Its handler panics, every time.
+    Panic,
 }
 
 /// A message's payload.
@@ -164,6 +166,7 @@ impl Shop {
                         return Err(Error::Transient(ShopError::Unavailable));
                     }
                     Kind::AlwaysTransient => return Err(Error::Transient(ShopError::Unavailable)),
+                    Kind::Panic => panic!("the order book is corrupt"),
                     _ => {}
                 }
                 let incoming = Incoming {
@@ -306,6 +309,7 @@ impl idempotent::broker::BatchBody<Sqlite, (), ShopError> for ShopBody {
                 }
                 Kind::AlwaysTransient => return Err(sqlx::Error::PoolTimedOut.into()),
                 Kind::Slow(ms) => tokio::time::sleep(Duration::from_millis(ms)).await,
+                Kind::Panic => panic!("the order book is corrupt"),
                 _ => {}
             }
             sqlx::query("INSERT INTO effects (message_id) VALUES ($1)")
