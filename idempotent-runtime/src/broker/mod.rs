@@ -1,14 +1,17 @@
 //! Broker runners: what a consumer does with each outcome, written once.
 //!
 //! A runner takes deliveries from a broker (a RabbitMQ queue, a NATS JetStream pull consumer, Kafka
-//! topics in a consumer group, an SQS queue: the `rabbitmq`, `nats`, `kafka` and `sqs` modules), hands each
-//! [`Message`] to a handler (typically an `#[idempotent]` function called with a worker's inbox,
-//! made with
-//! [`Inbox::for_worker`](crate::Inbox::for_worker)), and settles the delivery only once the outcome
-//! is known: acknowledged when processed or a duplicate, delivered again after a back-off
-//! ([`RetryPolicy`]) when the error [is retryable](crate::Error::is_retryable) and attempts are
-//! left, dead-lettered otherwise. A [`Shutdown`] token stops it gracefully; it ends with a
-//! [`BrokerError`] only when it cannot go on, never because its broker restarted.
+//! topics in a consumer group, an SQS queue: the `rabbitmq`, `nats`, `kafka` and `sqs` modules),
+//! hands each [`Message`] to a handler (typically an `#[idempotent]` function called with a
+//! worker's inbox, made with [`Inbox::for_worker`](crate::Inbox::for_worker)), and settles the
+//! delivery only once the outcome is known: acknowledged when processed or a duplicate, delivered
+//! again after a back-off ([`RetryPolicy`]) when the error [is
+//! retryable](crate::Error::is_retryable) and attempts are left, dead-lettered otherwise. A handler
+//! that panics is a retryable failure of its message (the panic's message is the reason), never the
+//! end of the runner. A [`Shutdown`] token stops it gracefully; it ends with a [`BrokerError`] only
+//! when it cannot go on, never because its broker restarted. Dead letters are read and put back
+//! with [`DeadLetter`] and [`DeadLetterFilter`] and each broker's `DeadLetterQueue` (SQS and
+//! RabbitMQ; the `idempotent dlq` command).
 //!
 //! The guide "Brokers and runners" says what each outcome does on each broker, how restarts and
 //! unpublishable retries are handled, batch mode, and what is tested: `idempotent::guide::brokers`

@@ -56,12 +56,16 @@
 //!   once at `warn` that it lost SQS, receives again after a back-off (100 ms, doubling, at most
 //!   5 s, jittered), says at `info` when SQS answers again, counts it
 //!   ([`RunnerStats::reconnects`], the `idempotent_runner_reconnects_total` metric), and never ends
-//!   for it. A queue deleted while the runner runs ends it with [`BrokerError::Cancelled`].
-//! - The runner receives up to `workers` messages at a time (batches: `workers` × the batch size),
-//!   at most ten per request, with long polls of 20 s ([`Runner::wait_time`]). On shutdown it
+//!   for it. Every request has a timeout of its own (a receive: its wait and the publish timeout;
+//!   the others: the publish timeout), so an SQS that takes connections and never answers is away
+//!   like one that refuses them. A queue deleted while the runner runs ends it with
+//!   [`BrokerError::Cancelled`].
+//! - The runner receives as many messages as it has workers free (batches: the batch size for
+//!   each), at most ten per request, with long polls of 20 s ([`Runner::wait_time`]): none waits,
+//!   hidden from other consumers, for a worker busy with another. On shutdown it
 //!   stops receiving, settles what is in flight, and makes what it received but did not start
 //!   visible again at once, with what a receive under way at the shutdown brings (it waits for
-//!   that receive's answer, at most the wait time).
+//!   that receive's answer, at most the wait time and the publish timeout).
 //!
 //! FIFO queues: SQS hands out a message group's messages in order and none of a group while one
 //! of it is in flight, but one receive can bring several of a group, which several workers then
