@@ -13,9 +13,42 @@ use support::example;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::Command;
 
-const MESSAGES: usize = 40;
-const RETRIES: usize = 8;
-const KILLS: usize = 4;
+/// How many payments, how many of them sent twice, and how many consumers are killed: 40, 8 and 4,
+/// or `IDEMPOTENT_KILL_RUN="messages retries kills"` for a longer run (`"5000 1000 30"`).
+#[derive(Clone, Copy)]
+struct Run {
+    messages: usize,
+    retries: usize,
+    kills: usize,
+}
+
+impl Run {
+    fn from_env() -> Self {
+        let Ok(run) = std::env::var("IDEMPOTENT_KILL_RUN") else {
+            return Run {
+                messages: 40,
+                retries: 8,
+                kills: 4,
+            };
+        };
+        let numbers: Vec<usize> = run
+            .split_whitespace()
+            .map(|n| n.parse().expect("IDEMPOTENT_KILL_RUN: three numbers"))
+            .collect();
+        let [messages, retries, kills] = numbers[..] else {
+            panic!("IDEMPOTENT_KILL_RUN is \"messages retries kills\", not {run:?}");
+        };
+        assert!(
+            retries <= messages,
+            "IDEMPOTENT_KILL_RUN: more retries than messages"
+        );
+        Run {
+            messages,
+            retries,
+            kills,
+        }
+    }
+}
 
 fn env(name: &str) -> String {
     std::env::var(name)
@@ -45,19 +78,24 @@ impl Broker {
     }
 }
 
-/// Publishes `MESSAGES` payments (`RETRIES` of them twice), runs consumers that each commit three
-/// payments and are SIGKILLed before acknowledging the third, `KILLS` times, then one that runs
+/// Publishes `run.messages` payments (`run.retries` of them twice), runs consumers that each commit
+/// three payments and are SIGKILLed before acknowledging the third, `run.kills` times, then one that runs
 /// until the destination is idle; checks every line they printed and the ledger.
-async fn killed_after_commit_before_ack(broker: Broker, publications: usize) {
+async fn killed_after_commit_before_ack(broker: Broker, run: Run, publications: usize) {
+    let Run {
+        messages,
+        retries,
+        kills,
+    } = run;
     let dir = tempfile::tempdir().unwrap();
     let database = format!("sqlite://{}", dir.path().join("ledger.db").display());
     let published = broker
         .command(
             broker.producer,
             &database,
-            &["--messages", &MESSAGES.to_string()],
+            &["--messages", &messages.to_string()],
         )
-        .args(["--retries", &RETRIES.to_string()])
+        .args(["--retries", &retries.to_string()])
         .stdout(Stdio::null())
         .status()
         .await
@@ -65,7 +103,7 @@ async fn killed_after_commit_before_ack(broker: Broker, publications: usize) {
     assert!(published.success());
 
     let mut lines = Vec::new();
-    for _ in 0..KILLS {
+    for _ in 0..kills {
         let mut child = broker
             .command(broker.consumer, &database, &["--pause-after-commit", "3"])
             .spawn()
@@ -100,10 +138,10 @@ async fn killed_after_commit_before_ack(broker: Broker, publications: usize) {
     );
 
     let count = |what: &str| lines.iter().filter(|l| l.starts_with(what)).count();
-    assert_eq!(count("PROCESSED"), MESSAGES, "{lines:#?}");
+    assert_eq!(count("PROCESSED"), messages, "{lines:#?}");
     assert_eq!(
         count("DUPLICATE"),
-        publications - MESSAGES + KILLS,
+        publications - messages + kills,
         "every retried copy that reached the consumer and every redelivery after a kill is a \
          detected duplicate: {lines:#?}"
     );
@@ -113,7 +151,7 @@ async fn killed_after_commit_before_ack(broker: Broker, publications: usize) {
             .iter()
             .filter(|l| l.starts_with("DUPLICATE") && l.ends_with("redelivered=true"))
             .count()
-            >= KILLS,
+            >= kills,
         "the redelivered copies came with the broker's redelivered flag: {lines:#?}"
     );
     let last = lines.last().unwrap();
@@ -125,7 +163,7 @@ async fn killed_after_commit_before_ack(broker: Broker, publications: usize) {
             .fetch_all(&pool)
             .await
             .unwrap();
-    assert_eq!(effects.len(), MESSAGES);
+    assert_eq!(effects.len(), messages);
     assert!(effects.iter().all(|(_, n)| *n == 1), "{effects:?}");
 }
 
@@ -139,7 +177,8 @@ async fn rabbitmq_consumer_killed_after_its_commit_before_its_ack_has_each_effec
         url: ("IDEMPOTENT_AMQP_URL", env("IDEMPOTENT_AMQP_URL")),
     };
     // RabbitMQ keeps the producer's retried copies: each reaches the consumer.
-    killed_after_commit_before_ack(broker, MESSAGES + RETRIES).await;
+    let run = Run::from_env();
+    killed_after_commit_before_ack(broker, run, run.messages + run.retries).await;
 }
 
 #[tokio::test]
@@ -153,7 +192,8 @@ async fn nats_consumer_killed_after_its_commit_before_its_ack_has_each_effect_on
         url: ("IDEMPOTENT_NATS_URL", env("IDEMPOTENT_NATS_URL")),
     };
     // JetStream drops the producer's retried copies itself (`Nats-Msg-Id` in its window).
-    killed_after_commit_before_ack(broker, MESSAGES).await;
+    let run = Run::from_env();
+    killed_after_commit_before_ack(broker, run, run.messages).await;
 }
 
 #[cfg(feature = "sqs")]
@@ -173,5 +213,6 @@ async fn sqs_consumer_killed_after_its_commit_before_its_delete_has_each_effect_
         url: ("IDEMPOTENT_SQS_URL", env("IDEMPOTENT_SQS_URL")),
     };
     // A standard queue keeps the producer's retried copies: each reaches the consumer.
-    killed_after_commit_before_ack(broker, MESSAGES + RETRIES).await;
+    let run = Run::from_env();
+    killed_after_commit_before_ack(broker, run, run.messages + run.retries).await;
 }

@@ -114,10 +114,22 @@ where
             }
             let (deliveries, messages): (Vec<D>, Vec<Message>) = taken.into_iter().unzip();
             let span = tracing::info_span!("batch", size = messages.len());
-            let outcomes = caught(|| {
-                tracing::Instrument::instrument(run_batch(&mut worker, &consumer, &messages), span)
-            })
-            .await;
+            let outcomes = {
+                let batch = caught(|| {
+                    tracing::Instrument::instrument(
+                        run_batch(&mut worker, &consumer, &messages),
+                        span,
+                    )
+                });
+                tokio::pin!(batch);
+                // Each delivery kept alive while the batch runs (JetStream's in-progress acks,
+                // SQS's visibility), as a message alone is.
+                let alive = futures_util::future::join_all(deliveries.iter().map(D::keep_alive));
+                tokio::select! {
+                    outcomes = &mut batch => outcomes,
+                    _ = alive => batch.await,
+                }
+            };
             let policy = &settler.policy;
             let routes: Vec<(Route, bool)> = match &outcomes {
                 Err(panicked) => {

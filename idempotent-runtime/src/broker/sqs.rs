@@ -303,6 +303,8 @@ impl Runner {
             received: VecDeque::new(),
             count: 0,
             under_way: None,
+            linger: take.linger,
+            handed_out: None,
             outage: Outage::new(
                 "sqs",
                 self.queue_url.clone(),

@@ -27,19 +27,23 @@ pub(super) struct Receiver {
     pub(super) count: u64,
     pub(super) outage: Outage,
     /// The receive under way, if any.
-    pub(super) under_way: Option<JoinHandle<Result<Vec<Message>, Failure>>>,
+    pub(super) under_way: Option<JoinHandle<Result<Vec<(Message, Instant)>, Failure>>>,
+    /// How long a worker waits for more deliveries once it has one (batch mode's linger).
+    pub(super) linger: Duration,
+    /// When the last delivery was handed out.
+    pub(super) handed_out: Option<Instant>,
 }
 
 /// The longest a receive waits on SQS for messages (SQS's limit).
 const MOST_WAIT: Duration = Duration::from_secs(20);
 
 /// One receive of up to `size` (at most ten) messages, waiting at most `wait` for them, and for
-/// SQS's answer at most the publish timeout longer.
+/// SQS's answer at most the publish timeout longer; each message with when it came.
 async fn receive(
     context: Arc<Context>,
     size: usize,
     wait: Duration,
-) -> Result<Vec<Message>, Failure> {
+) -> Result<Vec<(Message, Instant)>, Failure> {
     let wait = wait.min(MOST_WAIT);
     let request = async {
         context
@@ -57,20 +61,35 @@ async fn receive(
             .map(|answer| answer.messages.unwrap_or_default())
             .map_err(|error| Failure::of(&error, &context.queue_url))
     };
-    within(wait + context.publish_timeout, request).await
+    let messages = within(wait + context.publish_timeout, request).await?;
+    let now = Instant::now();
+    Ok(messages.into_iter().map(|message| (message, now)).collect())
 }
 
 impl Receiver {
     /// The next message, receiving until one comes; receives that fail (SQS is away) are made again
     /// after a back-off. An error only when the queue is gone.
     ///
-    /// Each receive runs as a task of its own, kept in `under_way` until it answers: a caller that
-    /// stops waiting (the runner's shutdown) leaves it running, and [`hand_back`](Self::hand_back)
-    /// takes what it brings.
+    /// Each receive runs as a task of its own, kept in `under_way` until it answers, so that a
+    /// shutdown can take what a receive under way brings. A caller that stops waiting (a worker's
+    /// linger ended) leaves the receive to be answered into this future, which waits until a
+    /// worker asks again: so a worker that lingers for more receives without waiting on SQS, and a
+    /// message that waited here longer than half its visibility timeout is not handed out but made
+    /// visible again (SQS may have handed it to another consumer meanwhile).
     pub(super) async fn next(&mut self) -> Result<SqsDelivery, BrokerError> {
         loop {
-            if let Some((message, received_at)) = self.received.pop_front() {
+            let stale_after = self.context.visibility_timeout / 2;
+            let mut stale = Vec::new();
+            while let Some((message, received_at)) = self.received.pop_front() {
+                if received_at.elapsed() > stale_after {
+                    stale.push(message);
+                    continue;
+                }
+                if !stale.is_empty() {
+                    self.make_visible(&stale).await;
+                }
                 self.count += 1;
+                self.handed_out = Some(Instant::now());
                 return Ok(SqsDelivery {
                     message,
                     number: self.count,
@@ -79,21 +98,24 @@ impl Receiver {
                     context: self.context.clone(),
                 });
             }
+            if !stale.is_empty() {
+                self.make_visible(&stale).await;
+            }
             let under_way = self.under_way.get_or_insert_with(|| {
                 // As many as the workers not busy with one can take (at least one: the caller is
-                // a free worker).
+                // a free worker); without waiting while a worker lingers for more.
                 let busy = self.context.in_flight.load(Ordering::SeqCst);
                 let size = self.size.saturating_sub(busy).max(1);
-                tokio::spawn(receive(self.context.clone(), size, self.wait))
+                let lingering = self.handed_out.is_some_and(|at| at.elapsed() < self.linger);
+                let wait = if lingering { Duration::ZERO } else { self.wait };
+                tokio::spawn(receive(self.context.clone(), size, wait))
             });
             let received = under_way.await;
             self.under_way = None;
             match received {
                 Ok(Ok(messages)) => {
                     self.outage.restored();
-                    let now = Instant::now();
-                    self.received
-                        .extend(messages.into_iter().map(|message| (message, now)));
+                    self.received.extend(messages);
                 }
                 Ok(Err(Failure::NoQueue(_))) => {
                     return Err(BrokerError::Cancelled {
@@ -109,6 +131,18 @@ impl Receiver {
         }
     }
 
+    /// Makes `messages` visible again at once.
+    async fn make_visible(&self, messages: &[Message]) {
+        let context = &self.context;
+        make_visible(
+            &context.client,
+            &context.queue_url,
+            messages,
+            context.publish_timeout,
+        )
+        .await;
+    }
+
     /// Makes what was received but not started visible again at once, for the next consumer: the
     /// messages received before, and those the receive under way brings.
     pub(super) async fn hand_back(&mut self) {
@@ -116,23 +150,14 @@ impl Receiver {
         if let Some(under_way) = self.under_way.take()
             && let Ok(Ok(Ok(messages))) = tokio::time::timeout(answer_within, under_way).await
         {
-            let now = Instant::now();
-            self.received
-                .extend(messages.into_iter().map(|message| (message, now)));
+            self.received.extend(messages);
         }
         let received: Vec<_> = self
             .received
             .drain(..)
             .map(|(message, _)| message)
             .collect();
-        let context = &self.context;
-        make_visible(
-            &context.client,
-            &context.queue_url,
-            &received,
-            context.publish_timeout,
-        )
-        .await;
+        self.make_visible(&received).await;
     }
 }
 
