@@ -103,9 +103,17 @@ impl DeadLetterFilter {
         }
     }
 
-    /// Returns the most dead letters it takes, if it has a limit.
-    pub fn most(&self) -> Option<usize> {
-        self.limit
+    /// Returns the entries of `read` whose dead letter it takes, by `now`, in their order and up to
+    /// its limit (each broker's reader keeps its own handle of a dead letter beside it).
+    #[cfg(any(feature = "sqs", feature = "rabbitmq"))]
+    pub(crate) fn pick<'a, T>(
+        &'a self,
+        read: &'a [(T, DeadLetter)],
+        now: SystemTime,
+    ) -> impl Iterator<Item = &'a (T, DeadLetter)> {
+        read.iter()
+            .filter(move |(_, letter)| self.matches(letter, now))
+            .take(self.limit.unwrap_or(usize::MAX))
     }
 
     /// Returns whether `letter` is one it takes, by `now` (its limit aside). A letter of unknown

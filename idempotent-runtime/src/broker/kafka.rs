@@ -96,22 +96,14 @@ use rdkafka::producer::{FutureProducer, Producer as _};
 use rdkafka::{Message as _, TopicPartitionList};
 use tokio::sync::Notify;
 
-use super::batch::{BatchBody, Batches};
 use super::drive::{DeliveriesAtOnce, drive};
 use super::error::BrokerError;
-use super::message::Message;
 use super::options::RunnerOptions;
 use super::outage::Outage;
-use super::retry::RetryPolicy;
-use super::settle::BeforeSettle;
 use super::stats::RunnerStats;
-use crate::error::Error;
-use crate::inbox::{Handled, Inbox};
-use crate::store::Backend;
 use context::RunnerContext;
 use delivery::{KafkaDelivery, Settling};
 use partitions::{Fetching, Partitions, TopicPartition};
-use tokio_util::sync::CancellationToken as Shutdown;
 use topics::RetryTopics;
 
 /// The header that carries a record's message id, by default: the key.
@@ -159,7 +151,7 @@ impl fmt::Debug for Runner {
 impl Runner {
     /// Creates a runner that consumes `topics` in consumer group `group` with the client settings
     /// of `client` (`bootstrap.servers` at least), dead-lettering to the topic `dead_letters`,
-    /// with one worker and the default [`RetryPolicy`].
+    /// with one worker and the default [`RetryPolicy`](super::RetryPolicy).
     pub fn new(
         client: ClientConfig,
         group: impl Into<String>,
@@ -177,18 +169,6 @@ impl Runner {
         }
     }
 
-    /// Runs `workers` handlers at once, each on a different partition.
-    pub fn workers(mut self, workers: usize) -> Self {
-        self.options.workers = workers.max(1);
-        self
-    }
-
-    /// Retries retryable failures by `policy`.
-    pub fn retry(mut self, policy: RetryPolicy) -> Self {
-        self.options.retry = policy;
-        self
-    }
-
     /// Names the retry topics `<prefix>.<delay>ms` (default prefix: `<group>.retry`).
     pub fn retry_topics(mut self, prefix: impl Into<String>) -> Self {
         self.retry_prefix = Some(prefix.into());
@@ -201,71 +181,16 @@ impl Runner {
         self
     }
 
-    /// Waits at most `timeout` for the broker to acknowledge a retry or dead letter the runner
-    /// produces (default [`DEFAULT_PUBLISH_TIMEOUT`](super::DEFAULT_PUBLISH_TIMEOUT), 10 s); past
-    /// it, the record is tried again after a back-off.
-    pub fn publish_timeout(mut self, timeout: Duration) -> Self {
-        self.options.publish_timeout = timeout;
-        self
-    }
-
-    /// Stops gracefully when `shutdown` is cancelled.
-    pub fn shutdown_on(mut self, shutdown: Shutdown) -> Self {
-        self.options.shutdown = shutdown;
-        self
-    }
-
-    /// Calls `hook` with each record's message and route once its outcome is known, before the
-    /// runner settles it (for logging, auditing or tests); the record is settled when the hook's
-    /// future completes. Records dead-lettered for lack of a message id are not shown to it.
-    pub fn before_settle(mut self, hook: BeforeSettle) -> Self {
-        self.options.before_settle = Some(hook);
-        self
-    }
-
-    /// Returns what the runner counted so far; the same counters [`run`](Self::run) returns at the
-    /// end.
-    pub fn stats(&self) -> impl Fn() -> RunnerStats + Send + Sync + 'static {
-        self.options.stats()
-    }
-
-    /// Makes the runner's topics where they are missing, then consumes until the shutdown token is
-    /// cancelled, with a handler from `new_worker` per worker. Returns what it counted.
-    pub async fn run<F, W, Fut, T, E>(self, new_worker: F) -> Result<RunnerStats, BrokerError>
-    where
-        F: FnMut() -> W,
-        W: FnMut(Message) -> Fut + Send + 'static,
-        Fut: Future<Output = Result<Handled<T>, Error<E>>> + Send,
-        T: Send + 'static,
-        E: fmt::Display + Send + 'static,
-    {
-        let (workers, take, process) = self.options.one_at_a_time(new_worker);
-        self.consume(workers, take, process).await
-    }
-
-    /// Consumes as [`run`](Self::run) does, handling the records in batches: a worker takes up to
-    /// `batches.size` records, runs `body` for each new message in one transaction on its worker's
-    /// inbox (each in a savepoint, as
-    /// [`Inbox::handle_batch_each`](crate::Inbox::handle_batch_each) does), commits once, then
-    /// settles each record by its own outcome.
-    pub async fn run_batches<DB, F, B, T, E>(
-        self,
-        inbox: Inbox<DB>,
-        consumer: impl Into<String>,
-        batches: Batches,
-        new_body: F,
-    ) -> Result<RunnerStats, BrokerError>
-    where
-        DB: Backend,
-        F: FnMut() -> B,
-        B: BatchBody<DB, T, E>,
-        T: Send + 'static,
-        E: std::error::Error + Send + 'static,
-    {
-        let (workers, take, process) =
-            self.options
-                .in_batches(&inbox, consumer.into(), batches, new_body);
-        self.consume(workers, take, process).await
+    super::options::runner_builder! {
+        /// Runs `workers` handlers at once, each on a different partition.
+        workers;
+        /// Waits at most `timeout` for the broker to acknowledge a retry or dead letter the runner
+        /// produces (default [`DEFAULT_PUBLISH_TIMEOUT`](super::DEFAULT_PUBLISH_TIMEOUT), 10 s); past
+        /// it, the record is tried again after a back-off.
+        publish_timeout;
+        /// Makes the runner's topics where they are missing, then consumes until the shutdown token is
+        /// cancelled, with a handler from `new_worker` per worker. Returns what it counted.
+        run;
     }
 
     /// Makes the topics, subscribes and drives the workers; commits and leaves at the end.

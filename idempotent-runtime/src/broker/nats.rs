@@ -84,22 +84,15 @@ use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::{self, AckKind};
 use futures_util::StreamExt;
 
-use super::batch::{BatchBody, Batches};
 use super::delivery::Delivery;
 use super::drive::{DeliveriesAtOnce, drive};
 use super::error::BrokerError;
 use super::message::{Message, MessageId, Redelivered, StreamSequence};
 use super::options::RunnerOptions;
 use super::outage::Outage;
-use super::retry::RetryPolicy;
 use super::route::Route;
-use super::settle::BeforeSettle;
 use super::stats::RunnerStats;
-use crate::error::Error;
-use crate::inbox::{Handled, Inbox};
 use crate::markers::DeliveryTag;
-use crate::store::Backend;
-use tokio_util::sync::CancellationToken as Shutdown;
 
 /// The header that carries a dead letter's reason.
 pub const REASON_HEADER: &str = "Idempotent-Reason";
@@ -129,7 +122,7 @@ impl fmt::Debug for Runner {
 
 impl Runner {
     /// Creates a runner on `consumer`, dead-lettering to `dead_letters` (a subject a stream
-    /// captures), with one worker and the default [`RetryPolicy`].
+    /// captures), with one worker and the default [`RetryPolicy`](super::RetryPolicy).
     pub fn new(
         jetstream: jetstream::Context,
         consumer: PullConsumer,
@@ -143,84 +136,17 @@ impl Runner {
         }
     }
 
-    /// Runs `workers` handlers at once (and pulls as many messages at a time).
-    pub fn workers(mut self, workers: usize) -> Self {
-        self.options.workers = workers.max(1);
-        self
-    }
-
-    /// Retries retryable failures by `policy`.
-    pub fn retry(mut self, policy: RetryPolicy) -> Self {
-        self.options.retry = policy;
-        self
-    }
-
-    /// Waits at most `timeout` for JetStream to store a dead letter the runner publishes (default
-    /// [`DEFAULT_PUBLISH_TIMEOUT`](super::DEFAULT_PUBLISH_TIMEOUT), 10 s); past it, the delivery
-    /// is `nak`ed with a back-off.
-    pub fn publish_timeout(mut self, timeout: Duration) -> Self {
-        self.options.publish_timeout = timeout;
-        self
-    }
-
-    /// Stops gracefully when `shutdown` is cancelled.
-    pub fn shutdown_on(mut self, shutdown: Shutdown) -> Self {
-        self.options.shutdown = shutdown;
-        self
-    }
-
-    /// Calls `hook` with each delivery's message and route once its outcome is known, before the
-    /// runner settles it (for logging, auditing or tests); the delivery is settled when the hook's
-    /// future completes. Deliveries dead-lettered for lack of a message id are not shown to it.
-    pub fn before_settle(mut self, hook: BeforeSettle) -> Self {
-        self.options.before_settle = Some(hook);
-        self
-    }
-
-    /// Returns what the runner counted so far; the same counters [`run`](Self::run) returns at the
-    /// end.
-    pub fn stats(&self) -> impl Fn() -> RunnerStats + Send + Sync + 'static {
-        self.options.stats()
-    }
-
-    /// Checks the consumer's ack policy and the dead-letter subject, then consumes until the
-    /// shutdown token is cancelled (or the consumer is deleted), with a handler from `new_worker`
-    /// per worker. Returns what it counted.
-    pub async fn run<F, W, Fut, T, E>(self, new_worker: F) -> Result<RunnerStats, BrokerError>
-    where
-        F: FnMut() -> W,
-        W: FnMut(Message) -> Fut + Send + 'static,
-        Fut: Future<Output = Result<Handled<T>, Error<E>>> + Send,
-        T: Send + 'static,
-        E: fmt::Display + Send + 'static,
-    {
-        let (workers, take, process) = self.options.one_at_a_time(new_worker);
-        self.consume(workers, take, process).await
-    }
-
-    /// Consumes as [`run`](Self::run) does, handling the deliveries in batches: a worker takes up
-    /// to `batches.size` deliveries, runs `body` for each new message in one transaction on its
-    /// worker's inbox (each in a savepoint, as
-    /// [`Inbox::handle_batch_each`](crate::Inbox::handle_batch_each) does), commits once, then
-    /// settles each delivery by its own outcome.
-    pub async fn run_batches<DB, F, B, T, E>(
-        self,
-        inbox: Inbox<DB>,
-        consumer: impl Into<String>,
-        batches: Batches,
-        new_body: F,
-    ) -> Result<RunnerStats, BrokerError>
-    where
-        DB: Backend,
-        F: FnMut() -> B,
-        B: BatchBody<DB, T, E>,
-        T: Send + 'static,
-        E: std::error::Error + Send + 'static,
-    {
-        let (workers, take, process) =
-            self.options
-                .in_batches(&inbox, consumer.into(), batches, new_body);
-        self.consume(workers, take, process).await
+    super::options::runner_builder! {
+        /// Runs `workers` handlers at once (and pulls as many messages at a time).
+        workers;
+        /// Waits at most `timeout` for JetStream to store a dead letter the runner publishes (default
+        /// [`DEFAULT_PUBLISH_TIMEOUT`](super::DEFAULT_PUBLISH_TIMEOUT), 10 s); past it, the delivery
+        /// is `nak`ed with a back-off.
+        publish_timeout;
+        /// Checks the consumer's ack policy and the dead-letter subject, then consumes until the
+        /// shutdown token is cancelled (or the consumer is deleted), with a handler from `new_worker`
+        /// per worker. Returns what it counted.
+        run;
     }
 
     /// Checks the setup, pulls from the consumer and drives the workers.

@@ -122,3 +122,101 @@ impl RunnerOptions {
         )
     }
 }
+
+/// The builder methods every runner has, and its `run` and `run_batches`, written once: a runner
+/// is a struct with `options: RunnerOptions` and an `async fn consume(self, workers, take,
+/// process)`. Each runner gives the docs of `workers`, `publish_timeout` and `run`, which say what
+/// its broker does.
+macro_rules! runner_builder {
+    (
+        $(#[$workers:meta])* workers;
+        $(#[$publish_timeout:meta])* publish_timeout;
+        $(#[$run:meta])* run;
+    ) => {
+        $(#[$workers])*
+        pub fn workers(mut self, workers: usize) -> Self {
+            self.options.workers = workers.max(1);
+            self
+        }
+
+        /// Retries retryable failures by `policy`.
+        pub fn retry(mut self, policy: $crate::broker::RetryPolicy) -> Self {
+            self.options.retry = policy;
+            self
+        }
+
+        $(#[$publish_timeout])*
+        pub fn publish_timeout(mut self, timeout: ::std::time::Duration) -> Self {
+            self.options.publish_timeout = timeout;
+            self
+        }
+
+        /// Stops gracefully when `shutdown` is cancelled.
+        pub fn shutdown_on(mut self, shutdown: $crate::broker::Shutdown) -> Self {
+            self.options.shutdown = shutdown;
+            self
+        }
+
+        /// Calls `hook` with each delivery's message and route once its outcome is known, before
+        /// the runner settles it (for logging, auditing or tests); the delivery is settled when the
+        /// hook's future completes. Deliveries dead-lettered for lack of a message id are not
+        /// shown to it.
+        pub fn before_settle(mut self, hook: $crate::broker::BeforeSettle) -> Self {
+            self.options.before_settle = Some(hook);
+            self
+        }
+
+        /// Returns what the runner counted so far; the same counters [`run`](Self::run) returns at
+        /// the end.
+        pub fn stats(
+            &self,
+        ) -> impl Fn() -> $crate::broker::RunnerStats + Send + Sync + 'static {
+            self.options.stats()
+        }
+
+        $(#[$run])*
+        pub async fn run<F, W, Fut, T, E>(
+            self,
+            new_worker: F,
+        ) -> Result<$crate::broker::RunnerStats, $crate::broker::BrokerError>
+        where
+            F: FnMut() -> W,
+            W: FnMut($crate::broker::Message) -> Fut + Send + 'static,
+            Fut: ::std::future::Future<
+                    Output = Result<$crate::Handled<T>, $crate::error::Error<E>>,
+                > + Send,
+            T: Send + 'static,
+            E: ::std::fmt::Display + Send + 'static,
+        {
+            let (workers, take, process) = self.options.one_at_a_time(new_worker);
+            self.consume(workers, take, process).await
+        }
+
+        /// Consumes as [`run`](Self::run) does, handling the deliveries in batches: a worker takes
+        /// up to `batches.size` deliveries, runs `body` for each new message in one transaction on
+        /// its worker's inbox (each in a savepoint, as
+        /// [`Inbox::handle_batch_each`](crate::Inbox::handle_batch_each) does), commits once, then
+        /// settles each delivery by its own outcome: the good ones and the duplicates are
+        /// acknowledged, a failing one retried or dead-lettered alone.
+        pub async fn run_batches<DB, F, B, T, E>(
+            self,
+            inbox: $crate::Inbox<DB>,
+            consumer: impl Into<String>,
+            batches: $crate::broker::Batches,
+            new_body: F,
+        ) -> Result<$crate::broker::RunnerStats, $crate::broker::BrokerError>
+        where
+            DB: $crate::store::Backend,
+            F: FnMut() -> B,
+            B: $crate::broker::BatchBody<DB, T, E>,
+            T: Send + 'static,
+            E: ::std::error::Error + Send + 'static,
+        {
+            let (workers, take, process) =
+                self.options
+                    .in_batches(&inbox, consumer.into(), batches, new_body);
+            self.consume(workers, take, process).await
+        }
+    };
+}
+pub(crate) use runner_builder;

@@ -100,26 +100,17 @@ pub use headers::{
 use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
-use std::time::Duration;
 
 use lapin::{Channel, Connection, ConnectionProperties};
-use tokio_util::sync::CancellationToken as Shutdown;
 
 use self::consumer::{ChannelSource, ReconnectingConsumer};
 use self::delay_queues::{retry_delays, retry_queue};
 use self::delivery::{AmqpDelivery, RunnerSetup};
-use crate::broker::batch::{BatchBody, Batches};
 use crate::broker::drive::{DeliveriesAtOnce, drive};
 use crate::broker::error::BrokerError;
-use crate::broker::message::Message;
 use crate::broker::options::RunnerOptions;
 use crate::broker::outage::Outage;
-use crate::broker::retry::RetryPolicy;
-use crate::broker::settle::BeforeSettle;
 use crate::broker::stats::RunnerStats;
-use crate::error::Error;
-use crate::inbox::{Handled, Inbox};
-use crate::store::Backend;
 
 /// Consumes one queue and settles each delivery by its handler's outcome; see the
 /// [module docs](self).
@@ -147,7 +138,7 @@ impl fmt::Debug for Runner {
 
 impl Runner {
     /// Creates a runner consuming `queue` on a connection it makes to `url` (`amqp://…`), and makes
-    /// again whenever it is lost; with one worker, the default [`RetryPolicy`] and dead letters to
+    /// again whenever it is lost; with one worker, the default [`RetryPolicy`](super::RetryPolicy) and dead letters to
     /// `<queue>.dead`. The queue must exist.
     pub fn connect(url: impl Into<String>, queue: impl Into<String>) -> Self {
         let url: Arc<str> = url.into().into();
@@ -172,7 +163,7 @@ impl Runner {
     }
 
     /// Creates a runner consuming `queue` on `channel`, with one worker, the default
-    /// [`RetryPolicy`] and dead letters to `<queue>.dead`. The queue must exist. It cannot
+    /// [`RetryPolicy`](super::RetryPolicy) and dead letters to `<queue>.dead`. The queue must exist. It cannot
     /// reconnect: when the channel is lost it returns [`BrokerError::Broker`]. Prefer
     /// [`connect`](Self::connect).
     pub fn new(channel: Channel, queue: impl Into<String>) -> Self {
@@ -189,52 +180,12 @@ impl Runner {
         }
     }
 
-    /// Runs `workers` handlers at once (and lets as many deliveries be unacknowledged).
-    pub fn workers(mut self, workers: usize) -> Self {
-        self.options.workers = workers.max(1);
-        self
-    }
-
-    /// Retries retryable failures by `policy`.
-    pub fn retry(mut self, policy: RetryPolicy) -> Self {
-        self.options.retry = policy;
-        self
-    }
-
     /// Dead-letters to `queue` instead of `<queue>.dead`.
     pub fn dead_letter_queue(self, queue: impl Into<String>) -> Self {
         Self {
             dead_letter_queue: Some(queue.into()),
             ..self
         }
-    }
-
-    /// Waits at most `timeout` for the broker to confirm a retry or a dead letter the runner
-    /// publishes (default [`DEFAULT_PUBLISH_TIMEOUT`](super::DEFAULT_PUBLISH_TIMEOUT), 10 s);
-    /// past it, the delivery is handed back to the broker after a back-off.
-    pub fn publish_timeout(mut self, timeout: Duration) -> Self {
-        self.options.publish_timeout = timeout;
-        self
-    }
-
-    /// Stops gracefully when `shutdown` is cancelled.
-    pub fn shutdown_on(mut self, shutdown: Shutdown) -> Self {
-        self.options.shutdown = shutdown;
-        self
-    }
-
-    /// Calls `hook` with each delivery's message and route once its outcome is known, before the
-    /// runner settles it (for logging, auditing or tests); the delivery is settled when the hook's
-    /// future completes. Deliveries dead-lettered for lack of a message id are not shown to it.
-    pub fn before_settle(mut self, hook: BeforeSettle) -> Self {
-        self.options.before_settle = Some(hook);
-        self
-    }
-
-    /// Returns what the runner counted so far; the same counters [`run`](Self::run) returns at the
-    /// end.
-    pub fn stats(&self) -> impl Fn() -> RunnerStats + Send + Sync + 'static {
-        self.options.stats()
     }
 
     /// Returns the queue dead letters go to.
@@ -244,45 +195,17 @@ impl Runner {
             .unwrap_or_else(|| format!("{}.dead", self.queue))
     }
 
-    /// Consumes until the shutdown token is cancelled (or the broker cancels the consumer, or
-    /// refuses the runner's setup), with a handler from `new_worker` per worker. Returns what it
-    /// counted.
-    pub async fn run<F, W, Fut, T, E>(self, new_worker: F) -> Result<RunnerStats, BrokerError>
-    where
-        F: FnMut() -> W,
-        W: FnMut(Message) -> Fut + Send + 'static,
-        Fut: Future<Output = Result<Handled<T>, Error<E>>> + Send,
-        T: Send + 'static,
-        E: fmt::Display + Send + 'static,
-    {
-        let (workers, take, process) = self.options.one_at_a_time(new_worker);
-        self.consume(workers, take, process).await
-    }
-
-    /// Consumes as [`run`](Self::run) does, handling the deliveries in batches: a worker takes up
-    /// to `batches.size` deliveries, runs `body` for each new message in one transaction on its
-    /// worker's inbox (each in a savepoint, as
-    /// [`Inbox::handle_batch_each`](crate::Inbox::handle_batch_each) does), commits once, then
-    /// settles each delivery by its own outcome: the good ones and the duplicates are
-    /// acknowledged, a failing one retried or dead-lettered alone.
-    pub async fn run_batches<DB, F, B, T, E>(
-        self,
-        inbox: Inbox<DB>,
-        consumer: impl Into<String>,
-        batches: Batches,
-        new_body: F,
-    ) -> Result<RunnerStats, BrokerError>
-    where
-        DB: Backend,
-        F: FnMut() -> B,
-        B: BatchBody<DB, T, E>,
-        T: Send + 'static,
-        E: std::error::Error + Send + 'static,
-    {
-        let (workers, take, process) =
-            self.options
-                .in_batches(&inbox, consumer.into(), batches, new_body);
-        self.consume(workers, take, process).await
+    super::options::runner_builder! {
+        /// Runs `workers` handlers at once (and lets as many deliveries be unacknowledged).
+        workers;
+        /// Waits at most `timeout` for the broker to confirm a retry or a dead letter the runner
+        /// publishes (default [`DEFAULT_PUBLISH_TIMEOUT`](super::DEFAULT_PUBLISH_TIMEOUT), 10 s);
+        /// past it, the delivery is handed back to the broker after a back-off.
+        publish_timeout;
+        /// Consumes until the shutdown token is cancelled (or the broker cancels the consumer, or
+        /// refuses the runner's setup), with a handler from `new_worker` per worker. Returns what it
+        /// counted.
+        run;
     }
 
     /// Connects (and reconnects), declares the runner's queues, consumes, and drives the workers.

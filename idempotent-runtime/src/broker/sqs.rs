@@ -92,23 +92,15 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::batch::{BatchBody, Batches};
 use super::drive::{DeliveriesAtOnce, drive};
 use super::error::BrokerError;
-use super::message::Message;
 use super::options::RunnerOptions;
 use super::outage::Outage;
-use super::retry::RetryPolicy;
-use super::settle::BeforeSettle;
 use super::stats::RunnerStats;
-use crate::error::Error;
-use crate::inbox::{Handled, Inbox};
-use crate::store::Backend;
 use deletes::Deletes;
 use delivery::{Context, SqsDelivery};
 use queue::Queue;
 use receive::Receiver;
-use tokio_util::sync::CancellationToken as Shutdown;
 
 /// The message attribute that carries a message's id, by default: the key.
 pub const MESSAGE_ID_ATTRIBUTE: &str = "message-id";
@@ -145,7 +137,7 @@ impl fmt::Debug for Runner {
 
 impl Runner {
     /// Creates a runner on the queue at `queue_url`, with one worker and the default
-    /// [`RetryPolicy`]; its dead letters go to the queue its redrive policy names.
+    /// [`RetryPolicy`](super::RetryPolicy); its dead letters go to the queue its redrive policy names.
     pub fn new(client: aws_sdk_sqs::Client, queue_url: impl Into<String>) -> Self {
         Self {
             client,
@@ -180,83 +172,16 @@ impl Runner {
         self
     }
 
-    /// Runs `workers` handlers at once (and receives as many messages at a time).
-    pub fn workers(mut self, workers: usize) -> Self {
-        self.options.workers = workers.max(1);
-        self
-    }
-
-    /// Retries retryable failures by `policy`.
-    pub fn retry(mut self, policy: RetryPolicy) -> Self {
-        self.options.retry = policy;
-        self
-    }
-
-    /// Waits at most `timeout` for SQS to take a dead letter the runner sends (default
-    /// [`DEFAULT_PUBLISH_TIMEOUT`](super::DEFAULT_PUBLISH_TIMEOUT), 10 s); past it, the message
-    /// is hidden for a back-off and tried again.
-    pub fn publish_timeout(mut self, timeout: Duration) -> Self {
-        self.options.publish_timeout = timeout;
-        self
-    }
-
-    /// Stops gracefully when `shutdown` is cancelled.
-    pub fn shutdown_on(mut self, shutdown: Shutdown) -> Self {
-        self.options.shutdown = shutdown;
-        self
-    }
-
-    /// Calls `hook` with each delivery's message and route once its outcome is known, before the
-    /// runner settles it (for logging, auditing or tests); the delivery is settled when the hook's
-    /// future completes. Messages dead-lettered for lack of a message id are not shown to it.
-    pub fn before_settle(mut self, hook: BeforeSettle) -> Self {
-        self.options.before_settle = Some(hook);
-        self
-    }
-
-    /// Returns what the runner counted so far; the same counters [`run`](Self::run) returns at the
-    /// end.
-    pub fn stats(&self) -> impl Fn() -> RunnerStats + Send + Sync + 'static {
-        self.options.stats()
-    }
-
-    /// Reads the queue's redrive policy, then consumes until the shutdown token is cancelled (or
-    /// the queue is deleted), with a handler from `new_worker` per worker. Returns what it counted.
-    pub async fn run<F, W, Fut, T, E>(self, new_worker: F) -> Result<RunnerStats, BrokerError>
-    where
-        F: FnMut() -> W,
-        W: FnMut(Message) -> Fut + Send + 'static,
-        Fut: Future<Output = Result<Handled<T>, Error<E>>> + Send,
-        T: Send + 'static,
-        E: fmt::Display + Send + 'static,
-    {
-        let (workers, take, process) = self.options.one_at_a_time(new_worker);
-        self.consume(workers, take, process).await
-    }
-
-    /// Consumes as [`run`](Self::run) does, handling the messages in batches: a worker takes up
-    /// to `batches.size` messages, runs `body` for each new message in one transaction on its
-    /// worker's inbox (each in a savepoint, as
-    /// [`Inbox::handle_batch_each`](crate::Inbox::handle_batch_each) does), commits once, then
-    /// settles each message by its own outcome.
-    pub async fn run_batches<DB, F, B, T, E>(
-        self,
-        inbox: Inbox<DB>,
-        consumer: impl Into<String>,
-        batches: Batches,
-        new_body: F,
-    ) -> Result<RunnerStats, BrokerError>
-    where
-        DB: Backend,
-        F: FnMut() -> B,
-        B: BatchBody<DB, T, E>,
-        T: Send + 'static,
-        E: std::error::Error + Send + 'static,
-    {
-        let (workers, take, process) =
-            self.options
-                .in_batches(&inbox, consumer.into(), batches, new_body);
-        self.consume(workers, take, process).await
+    super::options::runner_builder! {
+        /// Runs `workers` handlers at once (and receives as many messages at a time).
+        workers;
+        /// Waits at most `timeout` for SQS to take a dead letter the runner sends (default
+        /// [`DEFAULT_PUBLISH_TIMEOUT`](super::DEFAULT_PUBLISH_TIMEOUT), 10 s); past it, the message
+        /// is hidden for a back-off and tried again.
+        publish_timeout;
+        /// Reads the queue's redrive policy, then consumes until the shutdown token is cancelled (or
+        /// the queue is deleted), with a handler from `new_worker` per worker. Returns what it counted.
+        run;
     }
 
     /// Checks the queue, receives from it and drives the workers.

@@ -69,7 +69,8 @@ impl DeadLetterQueue {
     pub async fn list(&self, filter: &DeadLetterFilter) -> Result<Vec<DeadLetter>, BrokerError> {
         let (channel, read) = self.read_all().await?;
         let now = SystemTime::now();
-        let letters = taken(&read, filter, now)
+        let letters = filter
+            .pick(&read, now)
             .map(|(_, letter)| letter.clone())
             .collect();
         give_back(channel).await;
@@ -89,7 +90,7 @@ impl DeadLetterQueue {
         let publishing = ConfirmChannels::on(self.connection.clone());
         let mut moved = Vec::new();
         let mut failed = None;
-        for (delivery, letter) in taken(&read, filter, now) {
+        for (delivery, letter) in filter.pick(&read, now) {
             let Some(source) = &letter.source else {
                 continue;
             };
@@ -179,17 +180,6 @@ async fn put_back(
         .await
         .map(drop)
         .map_err(BrokerError::broker)
-}
-
-/// The messages of `read` that `filter` takes, up to its limit.
-fn taken<'a>(
-    read: &'a [(Delivery, DeadLetter)],
-    filter: &'a DeadLetterFilter,
-    now: SystemTime,
-) -> impl Iterator<Item = &'a (Delivery, DeadLetter)> {
-    read.iter()
-        .filter(move |(_, letter)| filter.matches(letter, now))
-        .take(filter.most().unwrap_or(usize::MAX))
 }
 
 /// What the runner wrote on `delivery`, a dead letter.

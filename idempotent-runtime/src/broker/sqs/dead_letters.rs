@@ -69,7 +69,8 @@ impl DeadLetterQueue {
     pub async fn list(&self, filter: &DeadLetterFilter) -> Result<Vec<DeadLetter>, BrokerError> {
         let read = self.read_all().await?;
         let now = SystemTime::now();
-        let letters = taken(&read, filter, now)
+        let letters = filter
+            .pick(&read, now)
             .map(|(_, letter)| letter.clone())
             .collect();
         make_visible(
@@ -94,7 +95,7 @@ impl DeadLetterQueue {
         let now = SystemTime::now();
         let mut moved = Vec::new();
         let mut failed = None;
-        for (message, letter) in taken(&read, filter, now) {
+        for (message, letter) in filter.pick(&read, now) {
             let Some(source) = &letter.source else {
                 continue;
             };
@@ -204,17 +205,6 @@ impl DeadLetterQueue {
         read.sort_by_key(|(_, letter)| letter.dead_lettered_at);
         Ok(read)
     }
-}
-
-/// The messages of `read` that `filter` takes, up to its limit.
-fn taken<'a>(
-    read: &'a [(Message, DeadLetter)],
-    filter: &'a DeadLetterFilter,
-    now: SystemTime,
-) -> impl Iterator<Item = &'a (Message, DeadLetter)> {
-    read.iter()
-        .filter(move |(_, letter)| filter.matches(letter, now))
-        .take(filter.most().unwrap_or(usize::MAX))
 }
 
 /// What the runner wrote on `message`, a dead letter.

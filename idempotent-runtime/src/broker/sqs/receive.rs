@@ -27,23 +27,22 @@ pub(super) struct Receiver {
     pub(super) count: u64,
     pub(super) outage: Outage,
     /// The receive under way, if any.
-    pub(super) under_way: Option<JoinHandle<Result<Vec<(Message, Instant)>, Failure>>>,
+    pub(super) under_way: Option<JoinHandle<Result<Received, Failure>>>,
     /// How long a worker waits for more deliveries once it has one (batch mode's linger).
     pub(super) linger: Duration,
     /// When the last delivery was handed out.
     pub(super) handed_out: Option<Instant>,
 }
 
+/// What one receive brought: each message with when it came.
+type Received = Vec<(Message, Instant)>;
+
 /// The longest a receive waits on SQS for messages (SQS's limit).
 const MOST_WAIT: Duration = Duration::from_secs(20);
 
 /// One receive of up to `size` (at most ten) messages, waiting at most `wait` for them, and for
 /// SQS's answer at most the publish timeout longer; each message with when it came.
-async fn receive(
-    context: Arc<Context>,
-    size: usize,
-    wait: Duration,
-) -> Result<Vec<(Message, Instant)>, Failure> {
+async fn receive(context: Arc<Context>, size: usize, wait: Duration) -> Result<Received, Failure> {
     let wait = wait.min(MOST_WAIT);
     let request = async {
         context
