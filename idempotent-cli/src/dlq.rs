@@ -6,6 +6,8 @@ use std::time::{Duration, SystemTime};
 use clap::{Args, Subcommand};
 use idempotent::broker::{BrokerError, DeadLetter, DeadLetterFilter};
 
+use idempotent::{Backend, Inbox};
+
 use crate::output::Output;
 use crate::{Failure, args, fail};
 
@@ -147,6 +149,21 @@ const QUEUE_OPTIONS: &str = if cfg!(all(feature = "sqs", feature = "rabbitmq")) 
     "--rabbitmq QUEUE or --rabbitmq-dlq QUEUE"
 };
 
+/// The audit line of a dead letter put back from `queue` that was dead-lettered for `reason`: at
+/// most the 1000 bytes an audit reason holds.
+fn audit_reason(queue: &str, reason: &str) -> String {
+    let mut line = format!("put back from {queue}; it was dead-lettered: {reason}");
+    if line.len() > 1000 {
+        let mut end = 997;
+        while !line.is_char_boundary(end) {
+            end -= 1;
+        }
+        line.truncate(end);
+        line.push('…');
+    }
+    line
+}
+
 /// How long the tool waits for a broker to answer at first.
 const ANSWER_WITHIN: Duration = Duration::from_secs(30);
 
@@ -184,6 +201,10 @@ enum DlqCommand {
         /// Only say which it would put back.
         #[arg(long)]
         dry_run: bool,
+        /// The consumer of the queue: a line per message put back goes into its inbox's audit
+        /// (`idempotent audit`), saying whether the inbox had processed it; needs --url.
+        #[arg(long)]
+        consumer: Option<String>,
     },
 }
 
@@ -229,8 +250,24 @@ impl FilterArgs {
     }
 }
 
-/// Runs `idempotent dlq …`.
-pub(crate) async fn run(queue: Queue, out: Output) -> Result<(), Failure> {
+/// Whether the command writes to an inbox's audit, and so needs the database.
+pub(crate) fn needs_inbox(queue: &Queue) -> bool {
+    matches!(
+        &queue.command,
+        DlqCommand::Redrive {
+            consumer: Some(_),
+            dry_run: false,
+            ..
+        }
+    )
+}
+
+/// Runs `idempotent dlq …`, writing a redrive's audit lines to `inbox`.
+pub(crate) async fn run<DB: Backend>(
+    queue: Queue,
+    out: Output,
+    inbox: Option<&Inbox<DB>>,
+) -> Result<(), Failure> {
     let dead_letters = DeadLetterQueue::of(&queue).await?;
     let now = SystemTime::now();
     match queue.command {
@@ -248,9 +285,29 @@ pub(crate) async fn run(queue: Queue, out: Output) -> Result<(), Failure> {
             }
             out.dead_letters_in_full(&letters, now)
         }
-        DlqCommand::Redrive { filter, dry_run } => {
+        DlqCommand::Redrive {
+            filter,
+            dry_run,
+            consumer,
+        } => {
             let moved = dead_letters.redrive(&filter.filter(), dry_run).await?;
-            out.redriven(&moved, dry_run)
+            let mut processed = Vec::with_capacity(moved.len());
+            if let (Some(inbox), Some(consumer), false) = (inbox, &consumer, dry_run) {
+                for letter in &moved {
+                    let Some(message_id) = &letter.message_id else {
+                        processed.push(None);
+                        continue;
+                    };
+                    let said = letter.reason.as_deref().unwrap_or("moved by the broker");
+                    let reason = audit_reason(dead_letters.name(), said);
+                    processed.push(
+                        inbox
+                            .audit_redrive(consumer, message_id.as_str(), &reason)
+                            .await?,
+                    );
+                }
+            }
+            out.redriven(&moved, dry_run, &processed)
         }
     }
     Ok(())
@@ -399,16 +456,27 @@ impl Output {
     }
 
     /// Prints the dead letters a redrive put back (or, with `dry_run`, would), a line each.
-    pub(crate) fn redriven(&self, letters: &[DeadLetter], dry_run: bool) {
+    /// `processed`, when the audit lines were written: when the inbox had processed each, if it
+    /// had.
+    pub(crate) fn redriven(
+        &self,
+        letters: &[DeadLetter],
+        dry_run: bool,
+        processed: &[Option<SystemTime>],
+    ) {
+        let processed_at = |n: usize| processed.get(n).copied().flatten();
         if self.json {
             let letters: Vec<_> = letters
                 .iter()
-                .map(|letter| {
+                .enumerate()
+                .map(|(n, letter)| {
                     serde_json::json!({
                         "id": letter.id,
                         "message_id": letter.message_id,
                         "to": letter.source,
                         "reason": letter.reason,
+                        "audited": n < processed.len(),
+                        "processed_at": crate::output::time(processed_at(n)),
                     })
                 })
                 .collect();
@@ -421,9 +489,16 @@ impl Output {
         } else {
             "put back"
         };
-        for letter in letters {
+        for (n, letter) in letters.iter().enumerate() {
+            let done = match processed_at(n) {
+                Some(at) => format!(
+                    "; processed at {}, so the inbox drops it",
+                    crate::args::rfc3339(at)
+                ),
+                None => String::new(),
+            };
             println!(
-                "{verb} {} to {} (was: {})",
+                "{verb} {} to {} (was: {}){done}",
                 letter.message_id.as_deref().unwrap_or("-"),
                 letter.source.as_deref().unwrap_or("-"),
                 one_line(letter.reason.as_deref().unwrap_or("-"))

@@ -17,7 +17,7 @@
 //! idempotent --url … outbox retry --row 42               publish a parked message again
 //! idempotent dlq --sqs QUEUE_URL list [--reason poison] [--older-than 1h] [--limit 50]
 //! idempotent dlq --sqs QUEUE_URL show --message-id ID    a dead letter's headers and payload
-//! idempotent dlq --sqs QUEUE_URL redrive [--reason …] [--older-than …] [--dry-run]
+//! idempotent dlq --sqs QUEUE_URL redrive [--reason …] [--older-than …] [--dry-run] [--consumer C --url …]
 //! idempotent dlq --rabbitmq payments [--amqp-url amqp://…] list | show | redrive   (payments.dead)
 //! ```
 //!
@@ -312,8 +312,13 @@ fn scheme(url: &str) -> Result<Scheme, Failure> {
 
 async fn run(cli: Cli) -> Result<(), Failure> {
     #[cfg(any(feature = "sqs", feature = "rabbitmq"))]
-    if let Command::Dlq(queue) = cli.command {
-        return dlq::run(queue, Output { json: cli.json }).await;
+    if let Command::Dlq(queue) = &cli.command
+        && !dlq::needs_inbox(queue)
+    {
+        let Command::Dlq(queue) = cli.command else {
+            unreachable!("matched above")
+        };
+        return dlq::run::<Sqlite>(queue, Output { json: cli.json }, None).await;
     }
     let url = cli
         .url
@@ -412,7 +417,7 @@ async fn command<DB: Backend>(
     match command {
         Command::Ddl { .. } => unreachable!("printed without a connection"),
         #[cfg(any(feature = "sqs", feature = "rabbitmq"))]
-        Command::Dlq(_) => unreachable!("run without a database"),
+        Command::Dlq(queue) => dlq::run(queue, out, Some(&inbox)).await?,
         Command::Migrate => out.migration(inbox.table(), inbox.migrate().await?),
         Command::Stats => out.stats(&inbox.stats().await?),
         Command::Inspect {

@@ -289,8 +289,67 @@ async fn dead_letters_are_listed_by_reason_shown_and_put_back_with_their_id_and_
         (depth(&client, &dead).await, depth(&client, &queue).await),
         (3, 0)
     );
-    let moved = json(&["--sqs", &queue, "redrive", "--reason", "poison"]);
-    assert_eq!(moved["redriven"].as_array().unwrap().len(), 2, "{moved}");
+    // The consumer's inbox processed p-1 already (its dead letter is a copy from before a
+    // fix, say): the redrive's audit line says so.
+    let dir = tempfile::tempdir().unwrap();
+    let database = format!("sqlite://{}", dir.path().join("orders.db").display());
+    let migrated = Command::new(BIN)
+        .args(["--url", &database, "migrate"])
+        .output()
+        .unwrap();
+    assert!(migrated.status.success());
+    let pool = idempotent::sqlx::SqlitePool::connect(&database)
+        .await
+        .unwrap();
+    let inbox = idempotent::Inbox::new(pool);
+    let claimed = inbox
+        .claim("orders", "p-1")
+        .await
+        .unwrap()
+        .expect("a new key");
+    claimed.commit().await.unwrap();
+    let without_url = dlq(&["--sqs", &queue, "redrive", "--consumer", "orders"]);
+    assert_eq!(without_url.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&without_url.stderr).contains("--url"));
+    let moved = json(&[
+        "--sqs",
+        &queue,
+        "redrive",
+        "--reason",
+        "poison",
+        "--consumer",
+        "orders",
+        "--url",
+        &database,
+    ]);
+    let redriven = moved["redriven"].as_array().unwrap();
+    assert_eq!(redriven.len(), 2, "{moved}");
+    for letter in redriven {
+        assert_eq!(letter["audited"], true, "{moved}");
+        let processed = !letter["processed_at"].is_null();
+        assert_eq!(processed, letter["message_id"] == "p-1", "{moved}");
+    }
+    let audit = Command::new(BIN)
+        .args([
+            "--url",
+            &database,
+            "audit",
+            "--consumer",
+            "orders",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    let audit: Value = serde_json::from_slice(&audit.stdout).unwrap();
+    let entries = audit["audit"].as_array().expect("audit entries");
+    assert_eq!(entries.len(), 2, "{audit}");
+    assert!(
+        entries.iter().all(|e| {
+            let reason = e["reason"].as_str().unwrap();
+            reason.contains("put back from") && reason.contains("poison")
+        }),
+        "{audit}"
+    );
     assert_eq!(
         (depth(&client, &dead).await, depth(&client, &queue).await),
         (1, 2)

@@ -13,7 +13,7 @@ use std::fmt;
 use std::str::FromStr;
 use std::time::{Duration, SystemTime};
 
-use crate::clock::{LAST_MS, from_ms, to_db_ms};
+use crate::clock::{LAST_MS, from_ms, to_db_ms, to_ms};
 use crate::error::{InboxError, Stage};
 use crate::inbox::{Inbox, check_consumer, commit};
 use crate::key::{AsMessageKey, MessageKey};
@@ -167,7 +167,8 @@ pub struct StuckCall {
     pub expired_for: Duration,
 }
 
-/// A message forgotten on purpose, as its audit row records it.
+/// A message an operator acted on (forgot on purpose, or put back from a dead-letter queue), as its
+/// audit row records it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct AuditEntry {
@@ -176,11 +177,11 @@ pub struct AuditEntry {
     /// The SHA-256 of the stored key in hex ([`MessageKey::full_digest`]); its first 12 digits are
     /// the `key` of the handler's `tracing` span.
     pub key_digest: String,
-    /// Why it was forgotten.
+    /// Why it was forgotten, or where it was put back from (`put back from …`).
     pub reason: String,
-    /// When the forgotten row had been processed.
+    /// When the inbox had processed it (a forgotten row always had been).
     pub processed_at: Option<SystemTime>,
-    /// When it was forgotten.
+    /// When the operator acted.
     pub forgotten_at: SystemTime,
 }
 
@@ -400,7 +401,7 @@ impl<DB: Backend> Inbox<DB> {
             consumer,
             &digest,
             reason,
-            processed_ms,
+            Some(processed_ms),
         )
         .await
         .map_err(failed())?;
@@ -410,8 +411,48 @@ impl<DB: Backend> Inbox<DB> {
         Ok(true)
     }
 
-    /// Returns the newest audit rows of messages forgotten on purpose, of `consumer` or (with
-    /// `None`) of every consumer; at most `limit`.
+    /// Writes an audit row for `consumer`'s message `key` that an operator put back on its queue
+    /// from a dead-letter queue (`idempotent dlq redrive`), with `reason`; returns when the inbox
+    /// had processed it, if it had (its redelivery is then a duplicate, and the inbox drops it).
+    /// The inbox row is left as it is.
+    pub async fn audit_redrive<K: AsMessageKey + ?Sized>(
+        &self,
+        consumer: &str,
+        key: &K,
+        reason: &str,
+    ) -> Result<Option<SystemTime>, InboxError> {
+        check_consumer(consumer)?;
+        check_reason(reason)?;
+        let key = key.as_message_key()?;
+        let failed = || database_error(Stage::Forget);
+        let processed = self
+            .inspect(consumer, &*key)
+            .await?
+            .map(|record| record.processed_at);
+        let processed_ms = processed.map(to_ms);
+        let mut tx =
+            InboxTransaction::begin(self.resources())
+                .await
+                .map_err(|error| match error {
+                    BeginError::Acquire(error) | BeginError::Begin(error) => failed()(error),
+                })?;
+        DB::audit_insert(
+            tx.connection(),
+            &self.config.statements.audit,
+            consumer,
+            &key.full_digest(),
+            reason,
+            processed_ms,
+        )
+        .await
+        .map_err(failed())?;
+        commit(tx, None).await?;
+        tracing::info!(consumer, key = %key.digest(), reason, "message put back from a dead-letter queue");
+        Ok(processed)
+    }
+
+    /// Returns the newest audit rows (messages forgotten on purpose, or put back from a
+    /// dead-letter queue), of `consumer` or (with `None`) of every consumer; at most `limit`.
     pub async fn audit(
         &self,
         consumer: Option<&str>,

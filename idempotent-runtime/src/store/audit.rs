@@ -102,14 +102,15 @@ impl AuditStatements {
 
 /// The statements on the audit and schema tables, run; implemented once for every backend.
 pub trait AuditQueries: Database {
-    /// Writes the audit row of a forgotten message.
+    /// Writes the audit row of a message an operator acted on (forgot, or put back from a
+    /// dead-letter queue); `processed_ms`, when the inbox had processed it.
     fn audit_insert<'a>(
         conn: &'a mut Self::Connection,
         statements: &'a AuditStatements,
         consumer: &'a str,
         digest: &'a str,
         reason: &'a str,
-        processed_ms: i64,
+        processed_ms: Option<i64>,
     ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a;
 
     /// The newest audit rows, of `consumer` or of every consumer.
@@ -134,6 +135,7 @@ where
     for<'q> &'q str: Encode<'q, DB> + Type<DB>,
     <DB as Database>::Arguments: sqlx::IntoArguments<DB>,
     for<'q> i64: Encode<'q, DB> + Type<DB>,
+    for<'q> Option<i64>: Encode<'q, DB>,
     for<'r> (Option<i64>,): sqlx::FromRow<'r, DB::Row>,
     for<'r> AuditRow: sqlx::FromRow<'r, DB::Row>,
 {
@@ -143,7 +145,7 @@ where
         consumer: &str,
         digest: &str,
         reason: &str,
-        processed_ms: i64,
+        processed_ms: Option<i64>,
     ) -> Result<(), sqlx::Error> {
         statements
             .query(AssertSqlSafe(statements.insert.clone()))
