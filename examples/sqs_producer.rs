@@ -14,7 +14,9 @@ mod ledger;
 
 use common::{client, queues};
 use idempotent::broker::sqs::MESSAGE_ID_ATTRIBUTE;
-use idempotent::broker::sqs::aws_sdk_sqs::types::MessageAttributeValue;
+use idempotent::broker::sqs::aws_sdk_sqs::types::{
+    MessageAttributeValue, SendMessageBatchRequestEntry,
+};
 use ledger::{PaymentReceived, arg};
 
 #[tokio::main]
@@ -25,6 +27,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let visibility: u64 = arg("--visibility-timeout").map_or(Ok(30), |v| v.parse())?;
     let client = client();
     let url = queues(&client, &queue, visibility).await?;
+    // Ten to a request (SendMessageBatch), the copies of a retried message among them.
+    let mut entries = Vec::new();
     for order_id in 1..=messages {
         let message_id = MessageAttributeValue::builder()
             .data_type("String")
@@ -35,14 +39,25 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             amount_cents: 100 * order_id,
         })?;
         let copies = if order_id <= retries { 2 } else { 1 };
-        for _ in 0..copies {
-            client
-                .send_message()
-                .queue_url(&url)
-                .message_body(&body)
-                .message_attributes(MESSAGE_ID_ATTRIBUTE, message_id.clone())
-                .send()
-                .await?;
+        for copy in 0..copies {
+            entries.push(
+                SendMessageBatchRequestEntry::builder()
+                    .id(format!("{order_id}-{copy}"))
+                    .message_body(&body)
+                    .message_attributes(MESSAGE_ID_ATTRIBUTE, message_id.clone())
+                    .build()?,
+            );
+        }
+    }
+    for batch in entries.chunks(10) {
+        let sent = client
+            .send_message_batch()
+            .queue_url(&url)
+            .set_entries(Some(batch.to_vec()))
+            .send()
+            .await?;
+        if let Some(failed) = sent.failed().first() {
+            return Err(format!("SQS refused a message: {failed:?}").into());
         }
     }
     println!("sent {messages} messages, {retries} of them twice, to {url}");
