@@ -273,7 +273,6 @@ async fn a_dead_letter_queue_deleted_while_the_runner_runs_holds_back_only_its_m
         let runner = Runner::new(sqs.clone(), &queue)
             .workers(2)
             .wait_time(Duration::from_secs(1))
-            .publish_timeout(Duration::from_secs(2))
             .shutdown_on(shutdown.clone());
         let counted = runner.stats();
         let running = tokio::spawn(spawned(runner, &shop));

@@ -1289,7 +1289,8 @@ fn rejected(outcome: Result<(), PublishError>, expected: &str, what: &str) {
 async fn the_publisher_takes_nine_headers_and_types_what_sqs_refuses_as_rejected() {
     let sqs = client();
     let (queue, _dead) = queues(&sqs, Duration::from_secs(30), 5).await;
-    let publisher = OutboxPublisher::new(sqs.clone()).with_timeout(Duration::from_secs(5));
+    // A timeout well past what a loaded local SQS takes: this case is about refusals, not time.
+    let publisher = OutboxPublisher::new(sqs.clone()).with_timeout(Duration::from_secs(30));
 
     // Nine headers and the message id: SQS's ten attributes, all there.
     let mut nine = OutgoingMessage::new(Destination::queue(&queue), body(Kind::Ok).into_bytes());
