@@ -100,13 +100,21 @@ impl Receiver {
             if !stale.is_empty() {
                 self.make_visible(&stale).await;
             }
+            // A worker lingers for more: what is left of its linger.
+            let lingering = self
+                .handed_out
+                .map(|at| self.linger.saturating_sub(at.elapsed()))
+                .filter(|left| !left.is_zero());
             let under_way = self.under_way.get_or_insert_with(|| {
                 // As many as the workers not busy with one can take (at least one: the caller is
                 // a free worker); without waiting while a worker lingers for more.
                 let busy = self.context.in_flight.load(Ordering::SeqCst);
                 let size = self.size.saturating_sub(busy).max(1);
-                let lingering = self.handed_out.is_some_and(|at| at.elapsed() < self.linger);
-                let wait = if lingering { Duration::ZERO } else { self.wait };
+                let wait = if lingering.is_some() {
+                    Duration::ZERO
+                } else {
+                    self.wait
+                };
                 tokio::spawn(receive(self.context.clone(), size, wait))
             });
             let received = under_way.await;
@@ -114,6 +122,12 @@ impl Receiver {
             match received {
                 Ok(Ok(messages)) => {
                     self.outage.restored();
+                    if messages.is_empty()
+                        && let Some(left) = lingering
+                    {
+                        // Nothing more now: no receive again before the linger is over.
+                        tokio::time::sleep(left).await;
+                    }
                     self.received.extend(messages);
                 }
                 Ok(Err(Failure::NoQueue(_))) => {
