@@ -23,7 +23,9 @@ use idempotent::broker::{
     BeforeSettle, BrokerError, Message, RetryPolicy, Route, RunnerStats, Shutdown,
 };
 use idempotent::outbox::{Destination, OutgoingMessage, Publication, PublishError, Publisher};
-use support::sqs::{Proxy, client, client_at, create, dead_letters, depth, queues, send, sqs_url};
+use support::sqs::{
+    Proxy, client, client_at, create, dead_letters, depth, queues, redrive_to, send, sqs_url,
+};
 use support::{Attempt, Incoming, Kind, Order, Outcome, Shop, ShopError, eventually, on_order};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -121,18 +123,7 @@ async fn fifo_queues(
     let id = uuid::Uuid::new_v4().simple().to_string();
     let fifo = || (QueueAttributeName::FifoQueue, "true".to_owned());
     let dead = create(client, &format!("{id}-dead.fifo"), HashMap::from([fifo()])).await;
-    let arn = client
-        .get_queue_attributes()
-        .queue_url(&dead)
-        .attribute_names(QueueAttributeName::QueueArn)
-        .send()
-        .await
-        .unwrap()
-        .attributes()
-        .unwrap()[&QueueAttributeName::QueueArn]
-        .clone();
-    let redrive =
-        format!(r#"{{"deadLetterTargetArn":"{arn}","maxReceiveCount":"{max_receive_count}"}}"#);
+    let redrive = redrive_to(client, &dead, max_receive_count).await;
     let queue = create(
         client,
         &format!("{id}.fifo"),

@@ -46,18 +46,7 @@ pub async fn queues(
 ) -> (String, String) {
     let id = uuid::Uuid::new_v4().simple().to_string();
     let dead = create(client, &format!("{id}-dead"), HashMap::new()).await;
-    let arn = client
-        .get_queue_attributes()
-        .queue_url(&dead)
-        .attribute_names(QueueAttributeName::QueueArn)
-        .send()
-        .await
-        .unwrap()
-        .attributes()
-        .unwrap()[&QueueAttributeName::QueueArn]
-        .clone();
-    let redrive =
-        format!(r#"{{"deadLetterTargetArn":"{arn}","maxReceiveCount":"{max_receive_count}"}}"#);
+    let redrive = redrive_to(client, &dead, max_receive_count).await;
     let queue = create(
         client,
         &id,
@@ -71,6 +60,22 @@ pub async fn queues(
     )
     .await;
     (queue, dead)
+}
+
+/// The redrive policy that moves a message to the queue at `dead` after `max_receive_count`
+/// receives.
+pub async fn redrive_to(client: &Client, dead: &str, max_receive_count: u32) -> String {
+    let arn = client
+        .get_queue_attributes()
+        .queue_url(dead)
+        .attribute_names(QueueAttributeName::QueueArn)
+        .send()
+        .await
+        .unwrap()
+        .attributes()
+        .unwrap()[&QueueAttributeName::QueueArn]
+        .clone();
+    format!(r#"{{"deadLetterTargetArn":"{arn}","maxReceiveCount":"{max_receive_count}"}}"#)
 }
 
 pub async fn create(
