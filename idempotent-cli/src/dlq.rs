@@ -1,5 +1,6 @@
 //! `idempotent dlq`: a broker's dead letters listed, shown and put back where they came from, on
-//! SQS (feature `sqs`) and RabbitMQ (feature `rabbitmq`), both on by default.
+//! SQS (feature `sqs`), RabbitMQ (feature `rabbitmq`) and NATS JetStream (feature `nats`), all on
+//! by default.
 
 use std::time::{Duration, SystemTime};
 
@@ -11,7 +12,7 @@ use idempotent::{Backend, Inbox};
 use crate::output::Output;
 use crate::{Failure, args, fail};
 
-/// Which dead-letter queue: one of `--sqs`, `--sqs-dlq`, `--rabbitmq`, `--rabbitmq-dlq`.
+/// Which dead-letter queue: one of `--sqs`, `--sqs-dlq`, `--rabbitmq`, `--rabbitmq-dlq`, `--nats`.
 #[derive(Args, Debug)]
 pub(crate) struct Queue {
     /// The SQS queue whose dead letters to look at: its redrive policy names its dead-letter
@@ -46,6 +47,20 @@ pub(crate) struct Queue {
         hide_env_values = true
     )]
     amqp_url: String,
+    /// The JetStream subject the runner dead-letters to (its `dead_letters`), read from the stream
+    /// that captures it.
+    #[cfg(feature = "nats")]
+    #[arg(long, value_name = "SUBJECT")]
+    nats: Option<String>,
+    /// The NATS server.
+    #[cfg(feature = "nats")]
+    #[arg(
+        long,
+        env = "NATS_URL",
+        default_value = "nats://127.0.0.1:4222",
+        hide_env_values = true
+    )]
+    nats_url: String,
     #[command(subcommand)]
     command: DlqCommand,
 }
@@ -56,6 +71,8 @@ enum DeadLetterQueue {
     Sqs(idempotent::broker::sqs::DeadLetterQueue),
     #[cfg(feature = "rabbitmq")]
     RabbitMq(idempotent::broker::rabbitmq::DeadLetterQueue),
+    #[cfg(feature = "nats")]
+    Nats(Box<idempotent::broker::nats::DeadLetterQueue>),
 }
 
 impl DeadLetterQueue {
@@ -70,13 +87,21 @@ impl DeadLetterQueue {
             queue.rabbitmq.is_some(),
             #[cfg(feature = "rabbitmq")]
             queue.rabbitmq_dlq.is_some(),
+            #[cfg(feature = "nats")]
+            queue.nats.is_some(),
         ];
         match named.iter().filter(|named| **named).count() {
             1 => {}
-            0 => return Err(fail(format!("name the dead-letter queue: {QUEUE_OPTIONS}"))),
+            0 => {
+                return Err(fail(format!(
+                    "name the dead-letter queue: {}",
+                    queue_options()
+                )));
+            }
             _ => {
                 return Err(fail(format!(
-                    "one dead-letter queue at a time: {QUEUE_OPTIONS}"
+                    "one dead-letter queue at a time: {}",
+                    queue_options()
                 )));
             }
         }
@@ -93,18 +118,24 @@ impl DeadLetterQueue {
             let found = idempotent::broker::sqs::DeadLetterQueue::of_queue(client, source);
             return Ok(Self::Sqs(answer_within(found, source).await??));
         }
+        #[cfg(feature = "nats")]
+        if let Some(subject) = &queue.nats {
+            let connected =
+                idempotent::broker::nats::DeadLetterQueue::connect(&queue.nats_url, subject);
+            return Ok(Self::Nats(Box::new(
+                answer_within(connected, "NATS").await??,
+            )));
+        }
         #[cfg(feature = "rabbitmq")]
-        {
-            let name = match (&queue.rabbitmq, &queue.rabbitmq_dlq) {
-                (_, Some(dlq)) => dlq.clone(),
-                (Some(source), None) => format!("{source}.dead"),
-                (None, None) => unreachable!("one queue is named"),
-            };
+        if let Some(name) = match (&queue.rabbitmq, &queue.rabbitmq_dlq) {
+            (_, Some(dlq)) => Some(dlq.clone()),
+            (Some(source), None) => Some(format!("{source}.dead")),
+            (None, None) => None,
+        } {
             let connected =
                 idempotent::broker::rabbitmq::DeadLetterQueue::connect(&queue.amqp_url, name);
-            Ok(Self::RabbitMq(answer_within(connected, "RabbitMQ").await??))
+            return Ok(Self::RabbitMq(answer_within(connected, "RabbitMQ").await??));
         }
-        #[cfg(not(feature = "rabbitmq"))]
         unreachable!("one queue is named")
     }
 
@@ -114,6 +145,8 @@ impl DeadLetterQueue {
             Self::Sqs(queue) => queue.url(),
             #[cfg(feature = "rabbitmq")]
             Self::RabbitMq(queue) => queue.queue(),
+            #[cfg(feature = "nats")]
+            Self::Nats(queue) => queue.subject(),
         }
     }
 
@@ -123,6 +156,8 @@ impl DeadLetterQueue {
             Self::Sqs(queue) => queue.list(filter).await,
             #[cfg(feature = "rabbitmq")]
             Self::RabbitMq(queue) => queue.list(filter).await,
+            #[cfg(feature = "nats")]
+            Self::Nats(queue) => queue.list(filter).await,
         }
     }
 
@@ -136,18 +171,24 @@ impl DeadLetterQueue {
             Self::Sqs(queue) => queue.redrive(filter, dry_run).await,
             #[cfg(feature = "rabbitmq")]
             Self::RabbitMq(queue) => queue.redrive(filter, dry_run).await,
+            #[cfg(feature = "nats")]
+            Self::Nats(queue) => queue.redrive(filter, dry_run).await,
         }
     }
 }
 
 /// The options that name a dead-letter queue, for the sentence that asks for one.
-const QUEUE_OPTIONS: &str = if cfg!(all(feature = "sqs", feature = "rabbitmq")) {
-    "--sqs QUEUE_URL or --sqs-dlq QUEUE_URL (SQS), --rabbitmq QUEUE or --rabbitmq-dlq QUEUE (RabbitMQ)"
-} else if cfg!(feature = "sqs") {
-    "--sqs QUEUE_URL or --sqs-dlq QUEUE_URL"
-} else {
-    "--rabbitmq QUEUE or --rabbitmq-dlq QUEUE"
-};
+fn queue_options() -> String {
+    let options: &[&str] = &[
+        #[cfg(feature = "sqs")]
+        "--sqs QUEUE_URL or --sqs-dlq QUEUE_URL (SQS)",
+        #[cfg(feature = "rabbitmq")]
+        "--rabbitmq QUEUE or --rabbitmq-dlq QUEUE (RabbitMQ)",
+        #[cfg(feature = "nats")]
+        "--nats SUBJECT (NATS JetStream)",
+    ];
+    options.join(", ")
+}
 
 /// The audit line of a dead letter put back from `queue` that was dead-lettered for `reason`: at
 /// most the 1000 bytes an audit reason holds.
@@ -188,7 +229,8 @@ enum DlqCommand {
     },
     /// The dead letters of one message id, with their headers and payload.
     Show {
-        /// The message id (SQS: the `message-id` attribute; RabbitMQ: the `message_id` property).
+        /// The message id (SQS: the `message-id` attribute; RabbitMQ: the `message_id` property;
+        /// NATS: the `Nats-Msg-Id` header).
         #[arg(long)]
         message_id: String,
     },

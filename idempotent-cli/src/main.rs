@@ -19,6 +19,7 @@
 //! idempotent dlq --sqs QUEUE_URL show --message-id ID    a dead letter's headers and payload
 //! idempotent dlq --sqs QUEUE_URL redrive [--reason …] [--older-than …] [--dry-run] [--consumer C --url …]
 //! idempotent dlq --rabbitmq payments [--amqp-url amqp://…] list | show | redrive   (payments.dead)
+//! idempotent dlq --nats PAYMENTS.dead [--nats-url nats://…] list | show | redrive
 //! ```
 //!
 //! Tables for people by default, `--json` for scripts. Exit status: 0, 1 on an error (a wrong
@@ -35,7 +36,12 @@
 //! starts again at attempt 1. Reading an SQS queue is receiving from it: while `list` or `redrive`
 //! runs, the dead letters are hidden from other readers, and visible again when it ends. On
 //! RabbitMQ (`--rabbitmq QUEUE`: the runner's `QUEUE.dead`; `--amqp-url` or `AMQP_URL`) the same,
-//! with `basic.get` on a channel of its own whose close gives back what it did not move.
+//! with `basic.get` on a channel of its own whose close gives back what it did not move. On NATS
+//! JetStream (`--nats SUBJECT`: the runner's dead-letter subject; `--nats-url` or `NATS_URL`) it
+//! reads the subject from the stream that captures it with a consumer of its own that acknowledges
+//! nothing, and deletes a dead letter from that stream once JetStream stored it again on its
+//! subject. Within the source stream's duplicate window JetStream drops a message published again
+//! with the same `Nats-Msg-Id`: the redrive stops there, says so, and keeps that dead letter.
 //!
 //! - The tool connects once before anything else and reports why it could not (`Connection
 //!   refused`), each cause of an error once. On SQLite only `migrate` creates the database file:
@@ -50,7 +56,7 @@
 #![warn(missing_docs, unreachable_pub)]
 
 mod args;
-#[cfg(any(feature = "sqs", feature = "rabbitmq"))]
+#[cfg(any(feature = "sqs", feature = "rabbitmq", feature = "nats"))]
 mod dlq;
 mod output;
 
@@ -172,7 +178,7 @@ enum Command {
     },
     /// A broker's dead letters: list them, show one, put them back where they came from (no
     /// database needed).
-    #[cfg(any(feature = "sqs", feature = "rabbitmq"))]
+    #[cfg(any(feature = "sqs", feature = "rabbitmq", feature = "nats"))]
     Dlq(dlq::Queue),
     /// The transactional outbox: its outgoing messages, the parked ones, and retrying them.
     Outbox {
@@ -311,7 +317,7 @@ fn scheme(url: &str) -> Result<Scheme, Failure> {
 }
 
 async fn run(cli: Cli) -> Result<(), Failure> {
-    #[cfg(any(feature = "sqs", feature = "rabbitmq"))]
+    #[cfg(any(feature = "sqs", feature = "rabbitmq", feature = "nats"))]
     if let Command::Dlq(queue) = &cli.command
         && !dlq::needs_inbox(queue)
     {
@@ -416,7 +422,7 @@ async fn command<DB: Backend>(
 ) -> Result<(), Failure> {
     match command {
         Command::Ddl { .. } => unreachable!("printed without a connection"),
-        #[cfg(any(feature = "sqs", feature = "rabbitmq"))]
+        #[cfg(any(feature = "sqs", feature = "rabbitmq", feature = "nats"))]
         Command::Dlq(queue) => dlq::run(queue, out, Some(&inbox)).await?,
         Command::Migrate => out.migration(inbox.table(), inbox.migrate().await?),
         Command::Stats => out.stats(&inbox.stats().await?),

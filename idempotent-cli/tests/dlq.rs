@@ -1,8 +1,9 @@
-//! `idempotent dlq` against a local SQS (`IDEMPOTENT_SQS_URL`, moto's server) and RabbitMQ
-//! (`IDEMPOTENT_AMQP_URL`), as `scripts/test` starts them: dead letters the runners wrote, listed by
-//! reason, shown, put back (a dry run first) with their message id kept and their attempts starting
-//! again, and the mistakes an operator makes refused with a sentence.
-#![cfg(all(feature = "sqs", feature = "rabbitmq"))]
+//! `idempotent dlq` against a local SQS (`IDEMPOTENT_SQS_URL`, moto's server), RabbitMQ
+//! (`IDEMPOTENT_AMQP_URL`) and NATS JetStream (`IDEMPOTENT_NATS_URL`), as `scripts/test` starts
+//! them: dead letters the runners wrote, listed by reason, shown, put back (a dry run first) with
+//! their message id kept and their attempts starting again, and the mistakes an operator makes
+//! refused with a sentence.
+#![cfg(all(feature = "sqs", feature = "rabbitmq", feature = "nats"))]
 
 use std::collections::HashMap;
 use std::process::{Command, Output};
@@ -474,6 +475,137 @@ async fn rabbitmq_dead_letters_are_listed_and_put_back_with_their_id_and_fresh_a
     let handled = run_rabbitmq(&queue, true, 2).await;
     assert_eq!(handled, [("p-1".into(), 1), ("p-2".into(), 1)]);
     let left = rabbitmq(&["list"]);
+    assert_eq!(left["dead_letters"].as_array().unwrap().len(), 1, "{left}");
+    assert_eq!(left["dead_letters"][0]["message_id"], "d-1");
+    assert_eq!(left["dead_letters"][0]["reason"], "card declined");
+}
+
+fn nats_url() -> String {
+    std::env::var("IDEMPOTENT_NATS_URL").expect(
+        "IDEMPOTENT_NATS_URL is not set: run the tests with scripts/test, which starts NATS",
+    )
+}
+
+/// Runs the NATS runner on the durable consumer `shop` of `stream` with [`handler`] until
+/// `expected` messages are settled, dead-lettering to `dead`.
+async fn run_nats(
+    jetstream: &idempotent::broker::nats::async_nats::jetstream::Context,
+    stream: &str,
+    dead: &str,
+    cured: bool,
+    expected: usize,
+) -> Vec<(String, u32)> {
+    let consumer = jetstream
+        .get_consumer_from_stream("shop", stream)
+        .await
+        .unwrap();
+    let seen = Seen::default();
+    let shutdown = Shutdown::new();
+    let runner = idempotent::broker::nats::Runner::new(jetstream.clone(), consumer, dead)
+        .shutdown_on(shutdown.clone());
+    let stats = runner.stats();
+    let worker = handler(&seen, cured);
+    let mut workers = Some(worker);
+    let running = tokio::spawn(runner.run(move || workers.take().expect("one worker")));
+    until_settled(running, stats, shutdown, seen, expected).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_dead_letters_are_kept_within_the_duplicate_window_and_put_back_after_it() {
+    use idempotent::broker::nats::async_nats::jetstream::{self, consumer, stream};
+    use idempotent::broker::nats::async_nats::{self, HeaderMap};
+
+    let jetstream = jetstream::new(async_nats::connect(nats_url()).await.unwrap());
+    let id = uuid::Uuid::new_v4().simple().to_string();
+    let (source, dead) = (format!("{id}.orders"), format!("{id}.dead"));
+    let mut config = stream::Config {
+        name: format!("S_{id}"),
+        subjects: vec![source.clone()],
+        duplicate_window: Duration::from_secs(120),
+        ..Default::default()
+    };
+    let orders = jetstream.create_stream(config.clone()).await.unwrap();
+    jetstream
+        .create_stream(stream::Config {
+            name: format!("D_{id}"),
+            subjects: vec![dead.clone()],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    orders
+        .create_consumer(consumer::pull::Config {
+            durable_name: Some("shop".into()),
+            ack_policy: consumer::AckPolicy::Explicit,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    for (message_id, body) in [
+        ("p-1", "poison one"),
+        ("p-2", "poison two"),
+        ("d-1", "declined"),
+    ] {
+        let mut headers = HeaderMap::new();
+        headers.insert(async_nats::header::NATS_MESSAGE_ID, message_id);
+        headers.insert("Tenant", "acme");
+        jetstream
+            .publish_with_headers(source.clone(), headers, body.as_bytes().to_vec().into())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+    run_nats(&jetstream, &config.name, &dead, false, 3).await;
+    let url = nats_url();
+    let nats_args = |args: &[&str]| {
+        let mut all = vec!["--nats", dead.as_str(), "--nats-url", url.as_str()];
+        all.extend_from_slice(args);
+        all.into_iter().map(str::to_owned).collect::<Vec<_>>()
+    };
+    let nats = |args: &[&str]| {
+        let all = nats_args(args);
+        json(&all.iter().map(String::as_str).collect::<Vec<_>>())
+    };
+    let listed = nats(&["list"]);
+    let letters = listed["dead_letters"].as_array().unwrap();
+    let ids: Vec<&str> = letters
+        .iter()
+        .map(|l| l["message_id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["p-1", "p-2", "d-1"], "{listed}");
+    assert!(
+        letters.iter().all(|l| l["source"] == source.as_str()
+            && l["attempts"] == 1
+            && l["age_seconds"].as_u64().is_some()),
+        "{listed}"
+    );
+    let shown = nats(&["show", "--message-id", "p-1"]);
+    assert!(shown.to_string().contains("Tenant"), "{shown}");
+    assert!(shown.to_string().contains("poison one"), "{shown}");
+
+    // Within the window JetStream would drop the copy: the redrive says so and keeps them all.
+    let refused = dlq(&nats_args(&["redrive", "--reason", "poison"])
+        .iter()
+        .map(String::as_str)
+        .collect::<Vec<_>>());
+    assert_eq!(refused.status.code(), Some(1));
+    let sentence = String::from_utf8_lossy(&refused.stderr);
+    assert!(sentence.contains("duplicate window"), "{sentence}");
+    assert_eq!(nats(&["list"])["dead_letters"].as_array().unwrap().len(), 3);
+
+    // After it, they go back with their ids and start again at attempt 1.
+    config.duplicate_window = Duration::from_secs(1);
+    jetstream.update_stream(config.clone()).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let dry = nats(&["redrive", "--reason", "poison", "--dry-run"]);
+    assert_eq!(dry["redriven"].as_array().unwrap().len(), 2, "{dry}");
+    assert_eq!(nats(&["list"])["dead_letters"].as_array().unwrap().len(), 3);
+    let moved = nats(&["redrive", "--reason", "poison"]);
+    assert_eq!(moved["redriven"].as_array().unwrap().len(), 2, "{moved}");
+    let handled = run_nats(&jetstream, &config.name, &dead, true, 2).await;
+    assert_eq!(handled, [("p-1".into(), 1), ("p-2".into(), 1)]);
+    let left = nats(&["list"]);
     assert_eq!(left["dead_letters"].as_array().unwrap().len(), 1, "{left}");
     assert_eq!(left["dead_letters"][0]["message_id"], "d-1");
     assert_eq!(left["dead_letters"][0]["reason"], "card declined");

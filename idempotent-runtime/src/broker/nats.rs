@@ -39,8 +39,10 @@
 //!   which starts again at attempt 1. (Within the stream's duplicate window JetStream drops a
 //!   message published again with the same `Nats-Msg-Id`: put dead letters back after it.)
 //! - **Dead letters** are published to the subject you name with the headers
-//!   `Idempotent-Reason`, `Idempotent-Attempts` and `Idempotent-Subject`, and once JetStream stored
-//!   them the delivery is terminated (`term`): JetStream will not deliver it again. A stream must
+//!   `Idempotent-Reason`, `Idempotent-Attempts`, `Idempotent-Subject` and
+//!   `Idempotent-Dead-Lettered-At`, and once JetStream stored them the delivery is terminated
+//!   (`term`): JetStream will not deliver it again ([`DeadLetterQueue`] reads and puts them
+//!   back). A stream must
 //!   capture that subject: the runner checks at start, and returns
 //!   [`BrokerError::DeadLetterTarget`] before it takes a delivery when none does.
 //! - **A dead letter that cannot be published** (the stream was deleted since, JetStream did not
@@ -71,7 +73,9 @@
 /// The NATS client this runner was built against: make the runner's context and consumer with it.
 pub use async_nats;
 
+mod dead_letters;
 mod publisher;
+pub use dead_letters::DeadLetterQueue;
 pub use publisher::OutboxPublisher;
 
 use std::fmt;
@@ -100,6 +104,8 @@ pub const REASON_HEADER: &str = "Idempotent-Reason";
 pub const ATTEMPTS_HEADER: &str = "Idempotent-Attempts";
 /// The header that names the subject a dead letter came from.
 pub const SUBJECT_HEADER: &str = "Idempotent-Subject";
+/// The header that carries when a message was dead-lettered, in milliseconds since the Unix epoch.
+pub const DEAD_LETTERED_AT_HEADER: &str = "Idempotent-Dead-Lettered-At";
 
 /// Consumes a durable pull consumer and settles each delivery by its handler's outcome; see the
 /// [module docs](self).
@@ -432,6 +438,7 @@ impl Delivery for NatsDelivery {
                 headers.insert(REASON_HEADER, reason.as_str());
                 headers.insert(ATTEMPTS_HEADER, attempts.to_string().as_str());
                 headers.insert(SUBJECT_HEADER, self.message.subject.as_str());
+                headers.insert(DEAD_LETTERED_AT_HEADER, now_ms().to_string().as_str());
                 let stored = async {
                     self.context
                         .jetstream
@@ -472,4 +479,12 @@ impl Delivery for NatsDelivery {
             let _ = self.message.ack_with(AckKind::Progress).await;
         }
     }
+}
+
+/// Milliseconds since the Unix epoch, now.
+fn now_ms() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_millis()
 }
