@@ -558,15 +558,8 @@ async fn nats_dead_letters_are_kept_within_the_duplicate_window_and_put_back_aft
     }
     run_nats(&jetstream, &config.name, &dead, false, 3).await;
     let url = nats_url();
-    let nats_args = |args: &[&str]| {
-        let mut all = vec!["--nats", dead.as_str(), "--nats-url", url.as_str()];
-        all.extend_from_slice(args);
-        all.into_iter().map(str::to_owned).collect::<Vec<_>>()
-    };
-    let nats = |args: &[&str]| {
-        let all = nats_args(args);
-        json(&all.iter().map(String::as_str).collect::<Vec<_>>())
-    };
+    let on_nats = ["--nats", dead.as_str(), "--nats-url", url.as_str()];
+    let nats = |args: &[&str]| json(&[&on_nats[..], args].concat());
     let listed = nats(&["list"]);
     let letters = listed["dead_letters"].as_array().unwrap();
     let ids: Vec<&str> = letters
@@ -585,10 +578,7 @@ async fn nats_dead_letters_are_kept_within_the_duplicate_window_and_put_back_aft
     assert!(shown.to_string().contains("poison one"), "{shown}");
 
     // Within the window JetStream would drop the copy: the redrive says so and keeps them all.
-    let refused = dlq(&nats_args(&["redrive", "--reason", "poison"])
-        .iter()
-        .map(String::as_str)
-        .collect::<Vec<_>>());
+    let refused = dlq(&[&on_nats[..], &["redrive", "--reason", "poison"]].concat());
     assert_eq!(refused.status.code(), Some(1));
     let sentence = String::from_utf8_lossy(&refused.stderr);
     assert!(sentence.contains("duplicate window"), "{sentence}");
@@ -609,4 +599,24 @@ async fn nats_dead_letters_are_kept_within_the_duplicate_window_and_put_back_aft
     assert_eq!(left["dead_letters"].as_array().unwrap().len(), 1, "{left}");
     assert_eq!(left["dead_letters"][0]["message_id"], "d-1");
     assert_eq!(left["dead_letters"][0]["reason"], "card declined");
+
+    // A source subject that no stream captures any more: refused, the dead letter kept.
+    jetstream.delete_stream(&config.name).await.unwrap();
+    let orphaned = dlq(&[&on_nats[..], &["redrive"]].concat());
+    assert_eq!(orphaned.status.code(), Some(1));
+    let sentence = String::from_utf8_lossy(&orphaned.stderr);
+    assert!(sentence.contains("no stream captures"), "{sentence}");
+    assert_eq!(nats(&["list"])["dead_letters"].as_array().unwrap().len(), 1);
+    // A dead-letter subject that no stream captures: a sentence, not an empty listing.
+    let nowhere = format!("{id}.nowhere");
+    let missing = dlq(&[
+        "--nats",
+        nowhere.as_str(),
+        "--nats-url",
+        url.as_str(),
+        "list",
+    ]);
+    assert_eq!(missing.status.code(), Some(1));
+    let sentence = String::from_utf8_lossy(&missing.stderr);
+    assert!(sentence.contains("no stream captures"), "{sentence}");
 }

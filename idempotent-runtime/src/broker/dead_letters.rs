@@ -1,7 +1,7 @@
 //! Dead letters as an operator sees them, whatever the broker: what a runner wrote on each
 //! ([`DeadLetter`]), and the filter that picks some to list or to put back ([`DeadLetterFilter`]).
-//! Each broker's module reads and moves its own (`sqs::DeadLetterQueue`, `rabbitmq::…`, `nats::…`); the `idempotent dlq`
-//! command calls them.
+//! Each broker's module reads and moves its own (`sqs::DeadLetterQueue`, `rabbitmq::…`,
+//! `nats::…`); the `idempotent dlq` command calls them.
 
 use std::time::{Duration, SystemTime};
 

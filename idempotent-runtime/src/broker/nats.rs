@@ -42,8 +42,7 @@
 //!   `Idempotent-Reason`, `Idempotent-Attempts`, `Idempotent-Subject` and
 //!   `Idempotent-Dead-Lettered-At`, and once JetStream stored them the delivery is terminated
 //!   (`term`): JetStream will not deliver it again ([`DeadLetterQueue`] reads and puts them
-//!   back). A stream must
-//!   capture that subject: the runner checks at start, and returns
+//!   back). A stream must capture that subject: the runner checks at start, and returns
 //!   [`BrokerError::DeadLetterTarget`] before it takes a delivery when none does.
 //! - **A dead letter that cannot be published** (the stream was deleted since, JetStream did not
 //!   confirm it within the [publish timeout](Runner::publish_timeout), 10 s by default) does not
@@ -232,7 +231,6 @@ impl Runner {
     /// Whether a stream captures the dead-letter subject: [`BrokerError::DeadLetterTarget`] when
     /// none does. A server that does not answer is waited for.
     async fn check_dead_letters(&self) -> Result<(), BrokerError> {
-        use jetstream::context::GetStreamByNameErrorKind;
         let target = self.dead_letters.as_str();
         let mut outage = Outage::new("nats", target.to_owned(), None);
         loop {
@@ -240,25 +238,46 @@ impl Runner {
                 found = self.jetstream.stream_by_subject(target) => found,
                 () = self.options.shutdown.cancelled() => return Ok(()),
             };
-            let reason = match found {
+            match found {
                 Ok(_) => return Ok(()),
-                Err(error) => match error.kind() {
-                    GetStreamByNameErrorKind::NotFound => "no stream captures the subject".into(),
-                    GetStreamByNameErrorKind::InvalidSubject => "it is not a valid subject".into(),
-                    GetStreamByNameErrorKind::JetStream(error) => error.to_string(),
-                    GetStreamByNameErrorKind::Request => {
-                        let after = outage.failed(&error);
-                        tokio::time::sleep(after).await;
-                        continue;
-                    }
+                Err(error) => match uncaptured(target, &error) {
+                    Some(refused) => return Err(refused),
+                    None => tokio::time::sleep(outage.failed(&error)).await,
                 },
-            };
-            return Err(BrokerError::DeadLetterTarget {
-                target: target.to_owned(),
-                reason,
-            });
+            }
         }
     }
+}
+
+/// Why no stream captures `subject`, by the error of a lookup of the stream that would
+/// ([`BrokerError::DeadLetterTarget`]); `None` when the request itself failed (the server did not
+/// answer), which says nothing about the subject.
+fn uncaptured(
+    subject: &str,
+    error: &jetstream::context::GetStreamByNameError,
+) -> Option<BrokerError> {
+    use jetstream::context::GetStreamByNameErrorKind;
+    let reason = match error.kind() {
+        GetStreamByNameErrorKind::NotFound => "no stream captures the subject".into(),
+        GetStreamByNameErrorKind::InvalidSubject => "it is not a valid subject".into(),
+        GetStreamByNameErrorKind::JetStream(error) => error.to_string(),
+        GetStreamByNameErrorKind::Request => return None,
+    };
+    Some(BrokerError::DeadLetterTarget {
+        target: subject.to_owned(),
+        reason,
+    })
+}
+
+/// `request`'s answer, or [`BrokerError::Timeout`] for `what` once `after` has passed.
+async fn within<T>(
+    what: &'static str,
+    after: Duration,
+    request: impl Future<Output = Result<T, BrokerError>>,
+) -> Result<T, BrokerError> {
+    tokio::time::timeout(after, request)
+        .await
+        .unwrap_or(Err(BrokerError::Timeout { what, after }))
 }
 
 /// How long a pull request waits on the server for messages before it ends empty-handed.
@@ -452,19 +471,11 @@ impl Delivery for NatsDelivery {
                         .await
                         .map_err(BrokerError::broker)
                 };
-                let after = self.context.publish_timeout;
-                match tokio::time::timeout(after, stored).await {
-                    Err(_) => Err(BrokerError::Timeout {
-                        what: "dead letter",
-                        after,
-                    }),
-                    Ok(Err(error)) => Err(error),
-                    Ok(Ok(_)) => self
-                        .message
-                        .ack_with(AckKind::Term)
-                        .await
-                        .map_err(BrokerError::Broker),
-                }
+                within("dead letter", self.context.publish_timeout, stored).await?;
+                self.message
+                    .ack_with(AckKind::Term)
+                    .await
+                    .map_err(BrokerError::Broker)
             }
         }
     }

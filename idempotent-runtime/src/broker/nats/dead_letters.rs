@@ -4,12 +4,14 @@
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use async_nats::HeaderMap;
+use async_nats::header::NATS_MESSAGE_ID;
 use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, PullConsumer, pull};
 use async_nats::jetstream::context::PublishErrorKind;
 use async_nats::jetstream::{self, stream::Stream};
-use futures_util::StreamExt;
+use futures_util::{StreamExt, TryFutureExt};
 
 use super::{ATTEMPTS_HEADER, DEAD_LETTERED_AT_HEADER, REASON_HEADER, SUBJECT_HEADER};
+use super::{uncaptured, within};
 use crate::broker::dead_letters::{DeadLetter, DeadLetterFilter};
 use crate::broker::error::BrokerError;
 
@@ -19,8 +21,6 @@ const MOST_READ: usize = 100_000;
 const FETCH: usize = 256;
 /// How long one request to JetStream may take.
 const ANSWER_WITHIN: Duration = Duration::from_secs(10);
-/// The header JetStream deduplicates on: a dead letter keeps its message's.
-const MESSAGE_ID_HEADER: &str = "Nats-Msg-Id";
 
 /// A JetStream dead-letter subject (the runner's `dead_letters`): its dead letters listed, and put
 /// back on the subjects they came from (the `idempotent dlq` command's NATS side).
@@ -101,11 +101,10 @@ impl DeadLetterQueue {
             };
             if !dry_run {
                 self.put_back(headers, letter, source).await?;
-                within(
-                    "the dead letter's deletion",
-                    stream.delete_message(*sequence),
-                )
-                .await?;
+                let deleted = stream
+                    .delete_message(*sequence)
+                    .map_err(BrokerError::broker);
+                within("the dead letter's deletion", ANSWER_WITHIN, deleted).await?;
             }
             moved.push(letter.clone());
         }
@@ -139,27 +138,18 @@ impl DeadLetterQueue {
                 .publish_with_headers(source.to_owned(), kept, letter.payload.clone().into())
                 .await?
                 .await
-        };
-        let ack = within("the dead letter's publication", stored)
-            .await
-            .map_err(|error| match error {
-                BrokerError::Broker(error) => {
-                    match error.downcast::<jetstream::context::PublishError>() {
-                        Ok(error) if error.kind() == PublishErrorKind::StreamNotFound => {
-                            refused("no stream captures the subject".into())
-                        }
-                        Ok(error) => BrokerError::Broker(error),
-                        Err(error) => BrokerError::Broker(error),
-                    }
-                }
-                other => other,
-            })?;
+        }
+        .map_err(|error| match error.kind() {
+            PublishErrorKind::StreamNotFound => refused("no stream captures the subject".into()),
+            _ => BrokerError::broker(error),
+        });
+        let ack = within("the dead letter's publication", ANSWER_WITHIN, stored).await?;
         if ack.duplicate {
             return Err(refused(format!(
                 "JetStream dropped it as a duplicate: stream {} stored a message of {} {} within \
                  its duplicate window; put it back after the window",
                 ack.stream,
-                MESSAGE_ID_HEADER,
+                NATS_MESSAGE_ID,
                 letter.message_id.as_deref().unwrap_or("?"),
             )));
         }
@@ -168,40 +158,39 @@ impl DeadLetterQueue {
 
     /// Reads every message of the subject, with the stream that holds them.
     async fn read_all(&self) -> Result<(Stream, Vec<((u64, HeaderMap), DeadLetter)>), BrokerError> {
-        let name = within(
-            "the stream lookup",
-            self.jetstream.stream_by_subject(&self.subject),
-        )
-        .await
-        .map_err(|error| BrokerError::DeadLetterTarget {
-            target: self.subject.clone(),
-            reason: format!("no stream captures the subject ({error})"),
-        })?;
-        let stream = within("the stream lookup", self.jetstream.get_stream(&name)).await?;
-        let consumer: PullConsumer = within(
-            "the reading consumer",
-            stream.create_consumer(pull::Config {
+        let found = self
+            .jetstream
+            .stream_by_subject(&self.subject)
+            .map_err(|error| {
+                uncaptured(&self.subject, &error).unwrap_or_else(|| BrokerError::broker(error))
+            });
+        let name = within("the stream lookup", ANSWER_WITHIN, found).await?;
+        let got = self
+            .jetstream
+            .get_stream(&name)
+            .map_err(BrokerError::broker);
+        let stream = within("the stream lookup", ANSWER_WITHIN, got).await?;
+        let reading = stream
+            .create_consumer(pull::Config {
                 filter_subject: self.subject.clone(),
                 deliver_policy: DeliverPolicy::All,
                 ack_policy: AckPolicy::None,
                 inactive_threshold: Duration::from_secs(60),
                 ..Default::default()
-            }),
-        )
-        .await?;
+            })
+            .map_err(BrokerError::broker);
+        let consumer: PullConsumer = within("the reading consumer", ANSWER_WITHIN, reading).await?;
         let reading = consumer.cached_info().name.clone();
         let mut pending = consumer.cached_info().num_pending;
         let mut read = Vec::new();
         while pending > 0 && read.len() < MOST_READ {
-            let mut batch = within(
-                "a fetch of dead letters",
-                consumer
-                    .fetch()
-                    .max_messages(FETCH)
-                    .expires(Duration::from_secs(2))
-                    .messages(),
-            )
-            .await?;
+            let fetched = consumer
+                .fetch()
+                .max_messages(FETCH)
+                .expires(Duration::from_secs(2))
+                .messages()
+                .map_err(BrokerError::broker);
+            let mut batch = within("a fetch of dead letters", ANSWER_WITHIN, fetched).await?;
             let before = read.len();
             while let Some(message) = batch.next().await {
                 let message = message.map_err(BrokerError::Broker)?;
@@ -218,23 +207,6 @@ impl DeadLetterQueue {
         }
         let _ = stream.delete_consumer(&reading).await;
         Ok((stream, read))
-    }
-}
-
-/// `future`'s answer, or [`BrokerError::Timeout`] for `what` after [`ANSWER_WITHIN`].
-async fn within<T, E>(
-    what: &'static str,
-    future: impl Future<Output = Result<T, E>>,
-) -> Result<T, BrokerError>
-where
-    E: std::error::Error + Send + Sync + 'static,
-{
-    match tokio::time::timeout(ANSWER_WITHIN, future).await {
-        Err(_) => Err(BrokerError::Timeout {
-            what,
-            after: ANSWER_WITHIN,
-        }),
-        Ok(answer) => answer.map_err(BrokerError::broker),
     }
 }
 
@@ -257,7 +229,7 @@ fn letter_of(sequence: u64, headers: &HeaderMap, payload: &[u8]) -> DeadLetter {
     all.sort();
     DeadLetter {
         id: sequence.to_string(),
-        message_id: header(MESSAGE_ID_HEADER),
+        message_id: header(NATS_MESSAGE_ID.as_ref()),
         reason: header(REASON_HEADER),
         attempts: header(ATTEMPTS_HEADER).and_then(|n| n.parse().ok()),
         source: header(SUBJECT_HEADER),
