@@ -1,6 +1,6 @@
 //! `idempotent dlq`: a broker's dead letters listed, shown and put back where they came from, on
 //! SQS (feature `sqs`), RabbitMQ (feature `rabbitmq`) and NATS JetStream (feature `nats`), all on
-//! by default.
+//! by default, and Kafka (feature `kafka`, which builds librdkafka: a C compiler and `make`).
 
 use std::time::{Duration, SystemTime};
 
@@ -12,7 +12,8 @@ use idempotent::{Backend, Inbox};
 use crate::output::Output;
 use crate::{Failure, args, fail};
 
-/// Which dead-letter queue: one of `--sqs`, `--sqs-dlq`, `--rabbitmq`, `--rabbitmq-dlq`, `--nats`.
+/// Which dead-letter queue: one of `--sqs`, `--sqs-dlq`, `--rabbitmq`, `--rabbitmq-dlq`, `--nats`,
+/// `--kafka`.
 #[derive(Args, Debug)]
 pub(crate) struct Queue {
     /// The SQS queue whose dead letters to look at: its redrive policy names its dead-letter
@@ -61,6 +62,19 @@ pub(crate) struct Queue {
         hide_env_values = true
     )]
     nats_url: String,
+    /// The Kafka topic the runner dead-letters to (its `dead_letters`); what was put back is noted
+    /// on `<TOPIC>.redriven`, since Kafka deletes no record.
+    #[cfg(feature = "kafka")]
+    #[arg(long, value_name = "TOPIC")]
+    kafka: Option<String>,
+    /// The Kafka cluster's bootstrap servers (host:port, comma-separated).
+    #[cfg(feature = "kafka")]
+    #[arg(long, env = "KAFKA_BROKERS", default_value = "127.0.0.1:9092")]
+    kafka_brokers: String,
+    /// The header the Kafka runner reads the message id from (its `message_id_header`).
+    #[cfg(feature = "kafka")]
+    #[arg(long, value_name = "HEADER", default_value = "message-id")]
+    kafka_message_id_header: String,
     #[command(subcommand)]
     command: DlqCommand,
 }
@@ -73,6 +87,8 @@ enum DeadLetterQueue {
     RabbitMq(idempotent::broker::rabbitmq::DeadLetterQueue),
     #[cfg(feature = "nats")]
     Nats(Box<idempotent::broker::nats::DeadLetterQueue>),
+    #[cfg(feature = "kafka")]
+    Kafka(idempotent::broker::kafka::DeadLetterQueue),
 }
 
 impl DeadLetterQueue {
@@ -89,6 +105,8 @@ impl DeadLetterQueue {
             queue.rabbitmq_dlq.is_some(),
             #[cfg(feature = "nats")]
             queue.nats.is_some(),
+            #[cfg(feature = "kafka")]
+            queue.kafka.is_some(),
         ];
         match named.iter().filter(|named| **named).count() {
             1 => {}
@@ -136,6 +154,15 @@ impl DeadLetterQueue {
                 idempotent::broker::rabbitmq::DeadLetterQueue::connect(&queue.amqp_url, name);
             return Ok(Self::RabbitMq(answer_within(connected, "RabbitMQ").await??));
         }
+        #[cfg(feature = "kafka")]
+        if let Some(topic) = &queue.kafka {
+            let mut client = idempotent::broker::kafka::ClientConfig::new();
+            client.set("bootstrap.servers", &queue.kafka_brokers);
+            return Ok(Self::Kafka(
+                idempotent::broker::kafka::DeadLetterQueue::new(client, topic)
+                    .message_id_header(&queue.kafka_message_id_header),
+            ));
+        }
         unreachable!("one queue is named")
     }
 
@@ -147,6 +174,8 @@ impl DeadLetterQueue {
             Self::RabbitMq(queue) => queue.queue(),
             #[cfg(feature = "nats")]
             Self::Nats(queue) => queue.subject(),
+            #[cfg(feature = "kafka")]
+            Self::Kafka(queue) => queue.topic(),
         }
     }
 
@@ -158,6 +187,8 @@ impl DeadLetterQueue {
             Self::RabbitMq(queue) => queue.list(filter).await,
             #[cfg(feature = "nats")]
             Self::Nats(queue) => queue.list(filter).await,
+            #[cfg(feature = "kafka")]
+            Self::Kafka(queue) => queue.list(filter).await,
         }
     }
 
@@ -173,6 +204,8 @@ impl DeadLetterQueue {
             Self::RabbitMq(queue) => queue.redrive(filter, dry_run).await,
             #[cfg(feature = "nats")]
             Self::Nats(queue) => queue.redrive(filter, dry_run).await,
+            #[cfg(feature = "kafka")]
+            Self::Kafka(queue) => queue.redrive(filter, dry_run).await,
         }
     }
 }
@@ -186,6 +219,8 @@ fn queue_options() -> String {
         "--rabbitmq QUEUE or --rabbitmq-dlq QUEUE (RabbitMQ)",
         #[cfg(feature = "nats")]
         "--nats SUBJECT (NATS JetStream)",
+        #[cfg(feature = "kafka")]
+        "--kafka TOPIC (Kafka)",
     ];
     options.join(", ")
 }
@@ -206,9 +241,11 @@ fn audit_reason(queue: &str, reason: &str) -> String {
 }
 
 /// How long the tool waits for a broker to answer at first.
+#[cfg(any(feature = "sqs", feature = "rabbitmq", feature = "nats"))]
 const ANSWER_WITHIN: Duration = Duration::from_secs(30);
 
 /// `future`'s output, or a sentence when `broker` did not answer in time.
+#[cfg(any(feature = "sqs", feature = "rabbitmq", feature = "nats"))]
 async fn answer_within<T>(future: impl Future<Output = T>, broker: &str) -> Result<T, Failure> {
     tokio::time::timeout(ANSWER_WITHIN, future)
         .await
@@ -230,7 +267,7 @@ enum DlqCommand {
     /// The dead letters of one message id, with their headers and payload.
     Show {
         /// The message id (SQS: the `message-id` attribute; RabbitMQ: the `message_id` property;
-        /// NATS: the `Nats-Msg-Id` header).
+        /// NATS: the `Nats-Msg-Id` header; Kafka: the `message-id` header).
         #[arg(long)]
         message_id: String,
     },
@@ -306,7 +343,7 @@ pub(crate) fn needs_inbox(queue: &Queue) -> bool {
 
 /// Runs `idempotent dlq …`, writing a redrive's audit lines to `inbox`.
 pub(crate) async fn run<DB: Backend>(
-    queue: Queue,
+    queue: Box<Queue>,
     out: Output,
     inbox: Option<&Inbox<DB>>,
 ) -> Result<(), Failure> {

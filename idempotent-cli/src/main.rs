@@ -20,6 +20,7 @@
 //! idempotent dlq --sqs QUEUE_URL redrive [--reason …] [--older-than …] [--dry-run] [--consumer C --url …]
 //! idempotent dlq --rabbitmq payments [--amqp-url amqp://…] list | show | redrive   (payments.dead)
 //! idempotent dlq --nats PAYMENTS.dead [--nats-url nats://…] list | show | redrive
+//! idempotent dlq --kafka payments.dead [--kafka-brokers host:9092] list | show | redrive   (feature kafka)
 //! ```
 //!
 //! Tables for people by default, `--json` for scripts. Exit status: 0, 1 on an error (a wrong
@@ -41,7 +42,12 @@
 //! reads the subject from the stream that captures it with a consumer of its own that acknowledges
 //! nothing, and deletes a dead letter from that stream once JetStream stored it again on its
 //! subject. Within the source stream's duplicate window JetStream drops a message published again
-//! with the same `Nats-Msg-Id`: the redrive stops there, says so, and keeps that dead letter.
+//! with the same `Nats-Msg-Id`: the redrive stops there, says so, and keeps that dead letter. On
+//! Kafka (`--kafka TOPIC`: the runner's dead-letter topic; `--kafka-brokers` or `KAFKA_BROKERS`;
+//! the CLI's feature `kafka`, off by default since it builds librdkafka) it reads every partition
+//! of the topic without joining a group, and since Kafka deletes no record it notes each dead
+//! letter it put back on `TOPIC.redriven`, which later listings leave out; the copy goes to its
+//! topic with its key (so to the same partition) before the note.
 //!
 //! - The tool connects once before anything else and reports why it could not (`Connection
 //!   refused`), each cause of an error once. On SQLite only `migrate` creates the database file:
@@ -56,7 +62,12 @@
 #![warn(missing_docs, unreachable_pub)]
 
 mod args;
-#[cfg(any(feature = "sqs", feature = "rabbitmq", feature = "nats"))]
+#[cfg(any(
+    feature = "sqs",
+    feature = "rabbitmq",
+    feature = "nats",
+    feature = "kafka"
+))]
 mod dlq;
 mod output;
 
@@ -178,8 +189,13 @@ enum Command {
     },
     /// A broker's dead letters: list them, show one, put them back where they came from (no
     /// database needed).
-    #[cfg(any(feature = "sqs", feature = "rabbitmq", feature = "nats"))]
-    Dlq(dlq::Queue),
+    #[cfg(any(
+        feature = "sqs",
+        feature = "rabbitmq",
+        feature = "nats",
+        feature = "kafka"
+    ))]
+    Dlq(Box<dlq::Queue>),
     /// The transactional outbox: its outgoing messages, the parked ones, and retrying them.
     Outbox {
         #[command(subcommand)]
@@ -317,7 +333,12 @@ fn scheme(url: &str) -> Result<Scheme, Failure> {
 }
 
 async fn run(cli: Cli) -> Result<(), Failure> {
-    #[cfg(any(feature = "sqs", feature = "rabbitmq", feature = "nats"))]
+    #[cfg(any(
+        feature = "sqs",
+        feature = "rabbitmq",
+        feature = "nats",
+        feature = "kafka"
+    ))]
     if let Command::Dlq(queue) = &cli.command
         && !dlq::needs_inbox(queue)
     {
@@ -422,7 +443,12 @@ async fn command<DB: Backend>(
 ) -> Result<(), Failure> {
     match command {
         Command::Ddl { .. } => unreachable!("printed without a connection"),
-        #[cfg(any(feature = "sqs", feature = "rabbitmq", feature = "nats"))]
+        #[cfg(any(
+            feature = "sqs",
+            feature = "rabbitmq",
+            feature = "nats",
+            feature = "kafka"
+        ))]
         Command::Dlq(queue) => dlq::run(queue, out, Some(&inbox)).await?,
         Command::Migrate => out.migration(inbox.table(), inbox.migrate().await?),
         Command::Stats => out.stats(&inbox.stats().await?),

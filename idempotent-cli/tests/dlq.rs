@@ -36,10 +36,14 @@ fn sqs() -> Client {
     Client::from_conf(config)
 }
 
+/// Runs `idempotent dlq` with `args` (and the local SQS's endpoint for an SQS queue).
 fn dlq(args: &[&str]) -> Output {
-    Command::new(BIN)
-        .arg("dlq")
-        .args(["--sqs-endpoint", &endpoint()])
+    let mut command = Command::new(BIN);
+    command.arg("dlq");
+    if args.iter().any(|arg| arg.starts_with("--sqs")) {
+        command.args(["--sqs-endpoint", &endpoint()]);
+    }
+    command
         .args(args)
         .env("AWS_ACCESS_KEY_ID", "test")
         .env("AWS_SECRET_ACCESS_KEY", "test")
@@ -619,4 +623,232 @@ async fn nats_dead_letters_are_kept_within_the_duplicate_window_and_put_back_aft
     assert_eq!(missing.status.code(), Some(1));
     let sentence = String::from_utf8_lossy(&missing.stderr);
     assert!(sentence.contains("no stream captures"), "{sentence}");
+}
+
+/// Kafka for the Kafka case: librdkafka's mock cluster, in this process, which the command reaches
+/// on loopback like any cluster.
+#[cfg(feature = "kafka")]
+mod kafka {
+    use std::time::Duration;
+
+    use idempotent::broker::kafka::rdkafka::consumer::{BaseConsumer, Consumer as _};
+    use idempotent::broker::kafka::rdkafka::message::{Header, Headers as _, OwnedHeaders};
+    use idempotent::broker::kafka::rdkafka::mocking::MockCluster;
+    use idempotent::broker::kafka::rdkafka::producer::{
+        DefaultProducerContext, FutureProducer, FutureRecord,
+    };
+    use idempotent::broker::kafka::rdkafka::{Message as _, Offset, TopicPartitionList};
+    use idempotent::broker::kafka::{ClientConfig, Runner};
+    use idempotent::broker::{RetryPolicy, Shutdown};
+
+    use super::{Seen, handler, until_settled};
+
+    pub fn client(servers: &str) -> ClientConfig {
+        let mut client = ClientConfig::new();
+        client
+            .set("bootstrap.servers", servers)
+            .set("topic.metadata.refresh.interval.ms", "1000")
+            .set("auto.commit.interval.ms", "200")
+            .set("session.timeout.ms", "6000")
+            .set("heartbeat.interval.ms", "500")
+            .set("log_level", "3");
+        client
+    }
+
+    pub fn cluster() -> MockCluster<'static, DefaultProducerContext> {
+        MockCluster::new(1).expect("a mock cluster")
+    }
+
+    /// Produces a record keyed `key` with `headers` to `topic`.
+    pub async fn produce(
+        servers: &str,
+        topic: &str,
+        key: &str,
+        body: &str,
+        headers: &[(&str, &str)],
+    ) {
+        let producer: FutureProducer = client(servers)
+            .set("acks", "all")
+            .set("enable.idempotence", "true")
+            .create()
+            .unwrap();
+        let mut owned = OwnedHeaders::new();
+        for (name, value) in headers {
+            owned = owned.insert(Header {
+                key: name,
+                value: Some(value.as_bytes()),
+            });
+        }
+        let record = FutureRecord::to(topic)
+            .key(key)
+            .payload(body)
+            .headers(owned);
+        producer
+            .send(record, Duration::from_secs(10))
+            .await
+            .expect("produced");
+    }
+
+    /// The partition of each record of `topic`, by its message id.
+    pub fn partitions_of(servers: &str, topic: &str) -> Vec<(String, i32)> {
+        let consumer: BaseConsumer = client(servers).set("group.id", "reader").create().unwrap();
+        let metadata = consumer
+            .fetch_metadata(Some(topic), Duration::from_secs(10))
+            .unwrap();
+        let mut assigned = TopicPartitionList::new();
+        let mut left = 0;
+        for partition in metadata.topics()[0].partitions() {
+            let (low, high) = consumer
+                .fetch_watermarks(topic, partition.id(), Duration::from_secs(10))
+                .unwrap();
+            left += high - low;
+            assigned
+                .add_partition_offset(topic, partition.id(), Offset::Beginning)
+                .unwrap();
+        }
+        consumer.assign(&assigned).unwrap();
+        let mut seen = Vec::new();
+        while left > 0 {
+            let Some(record) = consumer.poll(Duration::from_secs(30)) else {
+                panic!("no record within 30 s: {left} left after {seen:?}");
+            };
+            let record = record.unwrap();
+            let id = record
+                .headers()
+                .and_then(|h| h.iter().find(|h| h.key == "message-id"))
+                .and_then(|h| h.value)
+                .map(|v| String::from_utf8_lossy(v).into_owned())
+                .unwrap_or_default();
+            seen.push((id, record.partition()));
+            left -= 1;
+        }
+        seen.sort();
+        seen
+    }
+
+    /// Runs the Kafka runner of group `shop` on `topic` with [`handler`] until `expected` records are
+    /// settled, dead-lettering to `<topic>.dead`.
+    pub async fn run(
+        servers: &str,
+        topic: &str,
+        cured: bool,
+        expected: usize,
+    ) -> Vec<(String, u32)> {
+        let seen = Seen::default();
+        let shutdown = Shutdown::new();
+        let runner = Runner::new(client(servers), "shop", &[topic], format!("{topic}.dead"))
+            .retry(RetryPolicy::new(1, Duration::from_millis(100)))
+            .shutdown_on(shutdown.clone());
+        let stats = runner.stats();
+        let worker = handler(&seen, cured);
+        let mut workers = Some(worker);
+        let running = tokio::spawn(runner.run(move || workers.take().expect("one worker")));
+        until_settled(running, stats, shutdown, seen, expected).await
+    }
+}
+
+#[cfg(feature = "kafka")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_dead_letters_are_put_back_to_their_partition_once_and_noted() {
+    let cluster = kafka::cluster();
+    let servers = cluster.bootstrap_servers();
+    cluster.create_topic("orders", 3, 1).unwrap();
+    for (message_id, key, body) in [
+        ("p-1", "customer-1", "poison one"),
+        ("p-2", "customer-2", "poison two"),
+        ("d-1", "customer-3", "declined"),
+    ] {
+        let headers = [("message-id", message_id), ("tenant", "acme")];
+        kafka::produce(&servers, "orders", key, body, &headers).await;
+    }
+    let first = kafka::run(&servers, "orders", false, 3).await;
+    assert_eq!(first.len(), 3, "{first:?}");
+    let on_kafka = [
+        "--kafka",
+        "orders.dead",
+        "--kafka-brokers",
+        servers.as_str(),
+    ];
+    let kafka = |args: &[&str]| json(&[&on_kafka[..], args].concat());
+    let listed = kafka(&["list"]);
+    let letters = listed["dead_letters"].as_array().unwrap();
+    let mut ids: Vec<&str> = letters
+        .iter()
+        .map(|l| l["message_id"].as_str().unwrap())
+        .collect();
+    ids.sort();
+    assert_eq!(ids, ["d-1", "p-1", "p-2"], "{listed}");
+    assert!(
+        letters.iter().all(|l| l["source"] == "orders"
+            && l["attempts"] == 1
+            && l["age_seconds"].as_u64().is_some()),
+        "{listed}"
+    );
+    let shown = kafka(&["show", "--message-id", "p-1"]);
+    assert!(shown.to_string().contains("tenant"), "{shown}");
+    assert!(shown.to_string().contains("poison one"), "{shown}");
+
+    let dry = kafka(&["redrive", "--reason", "poison", "--dry-run"]);
+    assert_eq!(dry["redriven"].as_array().unwrap().len(), 2, "{dry}");
+    assert_eq!(
+        kafka(&["list"])["dead_letters"].as_array().unwrap().len(),
+        3
+    );
+    let moved = kafka(&["redrive", "--reason", "poison"]);
+    assert_eq!(moved["redriven"].as_array().unwrap().len(), 2, "{moved}");
+    // Noted as put back: listed no more, and a second redrive moves nothing.
+    let left = kafka(&["list"]);
+    assert_eq!(left["dead_letters"].as_array().unwrap().len(), 1, "{left}");
+    assert_eq!(left["dead_letters"][0]["message_id"], "d-1");
+    assert_eq!(left["dead_letters"][0]["reason"], "card declined");
+    let again = kafka(&["redrive", "--reason", "poison"]);
+    assert_eq!(again["redriven"].as_array().unwrap().len(), 0, "{again}");
+    // Each copy is on its first record's partition, and starts again at attempt 1.
+    let partitions = kafka::partitions_of(&servers, "orders");
+    for id in ["p-1", "p-2"] {
+        let of: Vec<i32> = partitions
+            .iter()
+            .filter(|(message_id, _)| message_id == id)
+            .map(|(_, partition)| *partition)
+            .collect();
+        assert!(of.len() == 2 && of[0] == of[1], "{id}: {partitions:?}");
+    }
+    let handled = kafka::run(&servers, "orders", true, 2).await;
+    assert_eq!(handled, [("p-1".into(), 1), ("p-2".into(), 1)]);
+
+    // A dead letter from a topic the cluster no longer has: refused, kept, and no topic made.
+    let headers = [
+        ("message-id", "x-1"),
+        ("idempotent-topic", "gone"),
+        ("idempotent-reason", "poison: from a topic since deleted"),
+        ("idempotent-attempts", "1"),
+    ];
+    kafka::produce(&servers, "orders.dead", "customer-9", "lost", &headers).await;
+    for _ in 0..2 {
+        let refused = dlq(&[&on_kafka[..], &["redrive", "--message-id", "x-1"]].concat());
+        assert_eq!(refused.status.code(), Some(1));
+        let sentence = String::from_utf8_lossy(&refused.stderr);
+        assert!(
+            sentence.contains("gone") && sentence.contains("no such topic"),
+            "{sentence}"
+        );
+    }
+    assert_eq!(
+        kafka(&["list"])["dead_letters"].as_array().unwrap().len(),
+        2
+    );
+    // A dead-letter topic the cluster does not have: a sentence, not an empty listing.
+    let missing = dlq(&[
+        "--kafka",
+        "nowhere",
+        "--kafka-brokers",
+        servers.as_str(),
+        "list",
+    ]);
+    assert_eq!(missing.status.code(), Some(1));
+    let sentence = String::from_utf8_lossy(&missing.stderr);
+    assert!(
+        sentence.contains("nowhere") && sentence.contains("no such topic"),
+        "{sentence}"
+    );
 }

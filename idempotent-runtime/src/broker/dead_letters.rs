@@ -1,7 +1,7 @@
 //! Dead letters as an operator sees them, whatever the broker: what a runner wrote on each
 //! ([`DeadLetter`]), and the filter that picks some to list or to put back ([`DeadLetterFilter`]).
 //! Each broker's module reads and moves its own (`sqs::DeadLetterQueue`, `rabbitmq::…`,
-//! `nats::…`); the `idempotent dlq` command calls them.
+//! `nats::…`, `kafka::…`); the `idempotent dlq` command calls them.
 
 use std::time::{Duration, SystemTime};
 
@@ -105,7 +105,12 @@ impl DeadLetterFilter {
 
     /// Returns the entries of `read` whose dead letter it takes, by `now`, in their order and up to
     /// its limit (each broker's reader keeps its own handle of a dead letter beside it).
-    #[cfg(any(feature = "sqs", feature = "rabbitmq", feature = "nats"))]
+    #[cfg(any(
+        feature = "sqs",
+        feature = "rabbitmq",
+        feature = "nats",
+        feature = "kafka"
+    ))]
     pub(crate) fn pick<'a, T>(
         &'a self,
         read: &'a [(T, DeadLetter)],

@@ -79,11 +79,13 @@ pub use rdkafka;
 pub use rdkafka::ClientConfig;
 
 mod context;
+mod dead_letters;
 mod delivery;
 mod partitions;
 mod publisher;
 mod topics;
 
+pub use dead_letters::DeadLetterQueue;
 pub use publisher::OutboxPublisher;
 
 use std::fmt;
@@ -320,6 +322,30 @@ fn producer_config(client: &ClientConfig, timeout: Duration) -> ClientConfig {
         .set("enable.idempotence", "true")
         .set("message.timeout.ms", timeout.as_millis().max(1).to_string());
     config
+}
+
+/// Produces `record` with `producer` and waits, at most `after`, for the broker to have it
+/// (`acks=all`); a record the broker refuses (its topic, its size, its rights) is `refusal`'s error.
+async fn produce(
+    producer: &FutureProducer,
+    record: rdkafka::producer::FutureRecord<'_, [u8], [u8]>,
+    what: &'static str,
+    after: Duration,
+    refusal: impl FnOnce(&rdkafka::error::KafkaError) -> BrokerError,
+) -> Result<(), BrokerError> {
+    use rdkafka::types::RDKafkaErrorCode;
+    match tokio::time::timeout(after, producer.send(record, after)).await {
+        Err(_) => Err(BrokerError::Timeout { what, after }),
+        Ok(Ok(_)) => Ok(()),
+        Ok(Err((error, _))) if refused(&error) => Err(refusal(&error)),
+        Ok(Err((error, _))) => Err(
+            if error.rdkafka_error_code() == Some(RDKafkaErrorCode::MessageTimedOut) {
+                BrokerError::Timeout { what, after }
+            } else {
+                BrokerError::broker(error)
+            },
+        ),
+    }
 }
 
 /// Whether a producer's error is the broker refusing the record (its topic, its size, its

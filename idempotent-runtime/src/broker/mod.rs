@@ -11,7 +11,7 @@
 //! end of the runner. A [`Shutdown`] token stops it gracefully; it ends with a [`BrokerError`] only
 //! when it cannot go on, never because its broker restarted. Dead letters are read and put back
 //! with [`DeadLetter`] and [`DeadLetterFilter`] and each broker's `DeadLetterQueue` (SQS,
-//! RabbitMQ and NATS; the `idempotent dlq` command).
+//! RabbitMQ, NATS and Kafka; the `idempotent dlq` command).
 //!
 //! The guide "Brokers and runners" says what each outcome does on each broker, how restarts and
 //! unpublishable retries are handled, batch mode, and what is tested: `idempotent::guide::brokers`

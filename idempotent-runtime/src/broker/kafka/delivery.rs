@@ -7,7 +7,6 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use rdkafka::consumer::{Consumer as _, StreamConsumer};
 use rdkafka::message::{Header, Headers as _, OwnedHeaders, OwnedMessage};
 use rdkafka::producer::{FutureProducer, FutureRecord};
-use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::{Message as _, Offset, TopicPartitionList};
 use tokio::sync::Notify;
 
@@ -20,7 +19,7 @@ use super::partitions::{Lease, Partitions};
 use super::topics::RetryTopics;
 use super::{
     ATTEMPT_HEADER, ATTEMPTS_HEADER, DUE_HEADER, OFFSET_HEADER, PARTITION_HEADER, REASON_HEADER,
-    TOPIC_HEADER, refused,
+    TOPIC_HEADER, produce,
 };
 use crate::markers::DeliveryTag;
 
@@ -93,22 +92,11 @@ impl KafkaDelivery {
             out = out.key(key);
         }
         let after = self.settling.publish_timeout;
-        let sent = self.settling.producer.send(out, after);
-        match tokio::time::timeout(after, sent).await {
-            Err(_) => Err(BrokerError::Timeout { what, after }),
-            Ok(Ok(_)) => Ok(()),
-            Ok(Err((error, _))) if refused(&error) => {
-                tracing::warn!(%error, topic, "the broker refused a {what}");
-                Err(BrokerError::Refused { what })
-            }
-            Ok(Err((error, _))) => Err(
-                if error.rdkafka_error_code() == Some(RDKafkaErrorCode::MessageTimedOut) {
-                    BrokerError::Timeout { what, after }
-                } else {
-                    BrokerError::broker(error)
-                },
-            ),
-        }
+        produce(&self.settling.producer, out, what, after, |error| {
+            tracing::warn!(%error, topic, "the broker refused a {what}");
+            BrokerError::Refused { what }
+        })
+        .await
     }
 
     /// The record is settled: its offset goes to the next commit once every earlier one of its

@@ -111,16 +111,8 @@ pub(super) async fn ensure(
     if missing.is_empty() {
         return Ok(());
     }
-    let replication = i32::try_from(brokers.clamp(1, 3)).unwrap_or(1);
-    let refusals = create(client, &missing, partitions, replication).await;
-    for (topic, refusal) in refusals {
-        // Auto-creation: a broker without CreateTopics, or one that refused it to this client.
-        let made = metadata(producer, Some(topic))
-            .await
-            .is_ok_and(|(existing, _)| existing.contains_key(topic));
-        if made {
-            continue;
-        }
+    let still_missing = make(client, producer, &missing, partitions, brokers).await;
+    if let Some((topic, refusal)) = still_missing.into_iter().next() {
         let reason = format!("the topic is missing and could not be made: {refusal}");
         return Err(if topic == dead_letters {
             BrokerError::DeadLetterTarget {
@@ -136,8 +128,32 @@ pub(super) async fn ensure(
     Ok(())
 }
 
+/// Makes `topics` of `partitions` partitions, replicated on up to three of the cluster's `brokers`:
+/// with `CreateTopics`, or else by asking for their metadata (the broker's auto-creation, for a
+/// broker without `CreateTopics` or one that refused it to this client). Returns those still
+/// missing, with why.
+pub(super) async fn make<'a>(
+    client: &ClientConfig,
+    producer: &FutureProducer,
+    topics: &[&'a str],
+    partitions: usize,
+    brokers: usize,
+) -> Vec<(&'a str, String)> {
+    let replication = i32::try_from(brokers.clamp(1, 3)).unwrap_or(1);
+    let mut missing = Vec::new();
+    for (topic, refusal) in create(client, topics, partitions, replication).await {
+        let made = metadata(producer, Some(topic))
+            .await
+            .is_ok_and(|(existing, _)| existing.contains_key(topic));
+        if !made {
+            missing.push((topic, refusal));
+        }
+    }
+    missing
+}
+
 /// The topics the cluster has with their partition counts, and how many brokers it has.
-async fn metadata(
+pub(super) async fn metadata(
     producer: &FutureProducer,
     topic: Option<&str>,
 ) -> Result<(BTreeMap<String, usize>, usize), BrokerError> {
