@@ -250,35 +250,20 @@ impl DeadLetterQueue {
 #[derive(Clone)]
 struct Reader(std::sync::Arc<BaseConsumer>);
 
-/// The partitions of `topic` with their first and next offsets; `None` when the cluster has no
-/// such topic.
-async fn partitions(
-    reader: &Reader,
-    topic: &str,
-) -> Result<Option<Vec<(i32, i64, i64)>>, BrokerError> {
+/// The partitions of `topic`; `None` when the cluster has no such topic.
+async fn partitions(reader: &Reader, topic: &str) -> Result<Option<Vec<i32>>, BrokerError> {
     let (reader, topic) = (reader.clone(), topic.to_owned());
     blocking(move || {
         let metadata = reader
             .0
             .fetch_metadata(Some(&topic), ANSWER_WITHIN)
             .map_err(BrokerError::broker)?;
-        let Some(found) = metadata
+        let found = metadata
             .topics()
             .iter()
             .find(|found| found.name() == topic && found.error().is_none())
-            .filter(|found| !found.partitions().is_empty())
-        else {
-            return Ok(None);
-        };
-        let mut partitions = Vec::new();
-        for partition in found.partitions() {
-            let (low, high) = reader
-                .0
-                .fetch_watermarks(&topic, partition.id(), ANSWER_WITHIN)
-                .map_err(BrokerError::broker)?;
-            partitions.push((partition.id(), low, high));
-        }
-        Ok(Some(partitions))
+            .filter(|found| !found.partitions().is_empty());
+        Ok(found.map(|found| found.partitions().iter().map(|p| p.id()).collect()))
     })
     .await
 }
@@ -293,7 +278,11 @@ async fn read(reader: &Reader, topic: &str) -> Result<Option<Vec<OwnedMessage>>,
         let mut assigned = TopicPartitionList::new();
         // Where each partition's reading is, and where it ends.
         let mut next: HashMap<i32, (i64, i64)> = HashMap::new();
-        for (partition, low, high) in partitions {
+        for partition in partitions {
+            let (low, high) = reader
+                .0
+                .fetch_watermarks(&topic, partition, ANSWER_WITHIN)
+                .map_err(BrokerError::broker)?;
             if high > low {
                 assigned
                     .add_partition_offset(&topic, partition, Offset::Offset(low))
