@@ -837,6 +837,47 @@ async fn kafka_dead_letters_are_put_back_to_their_partition_once_and_noted() {
         kafka(&["list"])["dead_letters"].as_array().unwrap().len(),
         2
     );
+
+    // A copy the broker refuses: nothing noted, the dead letter kept.
+    use idempotent::broker::kafka::rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
+    let too_large = RDKafkaRespErr::RD_KAFKA_RESP_ERR_MSG_SIZE_TOO_LARGE;
+    cluster.request_errors(RDKafkaApiKey::Produce, &[too_large]);
+    let redrive_d1 = [&on_kafka[..], &["redrive", "--message-id", "d-1"]].concat();
+    let refused = dlq(&redrive_d1);
+    assert_eq!(refused.status.code(), Some(1));
+    let sentence = String::from_utf8_lossy(&refused.stderr);
+    assert!(sentence.contains("refused the copy"), "{sentence}");
+    let copies = |id: &str| {
+        kafka::partitions_of(&servers, "orders")
+            .iter()
+            .filter(|(message_id, _)| message_id == id)
+            .count()
+    };
+    assert_eq!(copies("d-1"), 1, "no copy of a refused redrive");
+    assert_eq!(
+        kafka(&["list"])["dead_letters"].as_array().unwrap().len(),
+        2
+    );
+    // A note the broker refuses after its copy: the dead letter stays listed beside its copy, and
+    // the next redrive puts it back again (the inbox drops that second copy).
+    let no_error = RDKafkaRespErr::RD_KAFKA_RESP_ERR_NO_ERROR;
+    cluster.request_errors(RDKafkaApiKey::Produce, &[no_error, too_large]);
+    let unnoted = dlq(&redrive_d1);
+    assert_eq!(unnoted.status.code(), Some(1));
+    let sentence = String::from_utf8_lossy(&unnoted.stderr);
+    assert!(sentence.contains("refused the note"), "{sentence}");
+    assert_eq!(copies("d-1"), 2);
+    assert_eq!(
+        kafka(&["list"])["dead_letters"].as_array().unwrap().len(),
+        2
+    );
+    let moved = kafka(&["redrive", "--message-id", "d-1"]);
+    assert_eq!(moved["redriven"].as_array().unwrap().len(), 1, "{moved}");
+    assert_eq!(copies("d-1"), 3);
+    let left = kafka(&["list"]);
+    assert_eq!(left["dead_letters"].as_array().unwrap().len(), 1, "{left}");
+    assert_eq!(left["dead_letters"][0]["message_id"], "x-1");
+
     // A dead-letter topic the cluster does not have: a sentence, not an empty listing.
     let missing = dlq(&[
         "--kafka",
