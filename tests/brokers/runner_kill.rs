@@ -1,7 +1,9 @@
 //! Real brokers end to end: the producer and consumer examples as separate processes, on RabbitMQ,
-//! on NATS JetStream and on SQS, and a consumer that is SIGKILLed after its commit but before the
-//! runner's acknowledgement, again and again. Every effect happens once, every copy the producer
-//! retried and every redelivery after a kill is a detected duplicate, and nothing is left behind.
+//! on NATS JetStream, on SQS and on Kafka (the mock cluster of `support/kafka.rs`, in this test's
+//! process, which the examples reach on loopback), and a consumer that is SIGKILLed after its
+//! commit but before the runner's acknowledgement, again and again. Every effect happens once,
+//! every copy the producer retried and every redelivery after a kill is a detected duplicate, and
+//! nothing is left behind.
 #![cfg(all(feature = "sqlite", feature = "rabbitmq", feature = "nats"))]
 
 mod support;
@@ -55,6 +57,16 @@ fn env(name: &str) -> String {
         .unwrap_or_else(|_| panic!("{name} is not set: run the tests with scripts/test"))
 }
 
+/// What comes back after a consumer is killed.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Redelivery {
+    /// The delivery it had not acknowledged, flagged as redelivered (RabbitMQ, JetStream, SQS).
+    Flagged,
+    /// Every record past its partition's committed offset, unflagged: Kafka commits the offsets
+    /// the runner stored every `auto.commit.interval.ms`, so a kill may undo a few commits.
+    FromCommittedOffset,
+}
+
 /// One broker's producer and consumer examples, on a destination of the test's own.
 struct Broker {
     producer: &'static str,
@@ -62,6 +74,9 @@ struct Broker {
     /// `--queue name` or `--stream NAME`, and what else both examples take.
     destination: Vec<String>,
     url: (&'static str, String),
+    redelivery: Redelivery,
+    /// How long the last consumer waits with nothing to do before it ends.
+    idle: &'static str,
 }
 
 impl Broker {
@@ -125,7 +140,11 @@ async fn killed_after_commit_before_ack(broker: Broker, run: Run, publications: 
         child.kill().await.unwrap(); // SIGKILL: no ack, no goodbye to the broker
     }
     let output = broker
-        .command(broker.consumer, &database, &["--exit-when-idle", "3"])
+        .command(
+            broker.consumer,
+            &database,
+            &["--exit-when-idle", broker.idle],
+        )
         .output()
         .await
         .unwrap();
@@ -139,21 +158,26 @@ async fn killed_after_commit_before_ack(broker: Broker, run: Run, publications: 
 
     let count = |what: &str| lines.iter().filter(|l| l.starts_with(what)).count();
     assert_eq!(count("PROCESSED"), messages, "{lines:#?}");
-    assert_eq!(
-        count("DUPLICATE"),
-        publications - messages + kills,
-        "every retried copy that reached the consumer and every redelivery after a kill is a \
-         detected duplicate: {lines:#?}"
-    );
+    let duplicates = publications - messages + kills;
+    let why = "every retried copy that reached the consumer and every redelivery after a kill is \
+               a detected duplicate";
+    match broker.redelivery {
+        Redelivery::Flagged => {
+            assert_eq!(count("DUPLICATE"), duplicates, "{why}: {lines:#?}");
+            assert!(
+                lines
+                    .iter()
+                    .filter(|l| l.starts_with("DUPLICATE") && l.ends_with("redelivered=true"))
+                    .count()
+                    >= kills,
+                "the redelivered copies came with the broker's redelivered flag: {lines:#?}"
+            );
+        }
+        Redelivery::FromCommittedOffset => {
+            assert!(count("DUPLICATE") >= duplicates, "{why}: {lines:#?}");
+        }
+    }
     assert_eq!(count("RETRY") + count("DEAD-LETTER") + count("REJECTED"), 0);
-    assert!(
-        lines
-            .iter()
-            .filter(|l| l.starts_with("DUPLICATE") && l.ends_with("redelivered=true"))
-            .count()
-            >= kills,
-        "the redelivered copies came with the broker's redelivered flag: {lines:#?}"
-    );
     let last = lines.last().unwrap();
     assert!(last.starts_with("IDLE"), "{last}");
 
@@ -175,6 +199,8 @@ async fn rabbitmq_consumer_killed_after_its_commit_before_its_ack_has_each_effec
         consumer: "rabbitmq_consumer",
         destination: vec!["--queue".into(), queue],
         url: ("IDEMPOTENT_AMQP_URL", env("IDEMPOTENT_AMQP_URL")),
+        redelivery: Redelivery::Flagged,
+        idle: "3",
     };
     // RabbitMQ keeps the producer's retried copies: each reaches the consumer.
     let run = Run::from_env();
@@ -190,6 +216,8 @@ async fn nats_consumer_killed_after_its_commit_before_its_ack_has_each_effect_on
         // A killed consumer's unacknowledged message comes back after a second.
         destination: vec!["--stream".into(), stream, "--ack-wait".into(), "1".into()],
         url: ("IDEMPOTENT_NATS_URL", env("IDEMPOTENT_NATS_URL")),
+        redelivery: Redelivery::Flagged,
+        idle: "3",
     };
     // JetStream drops the producer's retried copies itself (`Nats-Msg-Id` in its window).
     let run = Run::from_env();
@@ -211,8 +239,43 @@ async fn sqs_consumer_killed_after_its_commit_before_its_delete_has_each_effect_
             "2".into(),
         ],
         url: ("IDEMPOTENT_SQS_URL", env("IDEMPOTENT_SQS_URL")),
+        redelivery: Redelivery::Flagged,
+        idle: "3",
     };
     // A standard queue keeps the producer's retried copies: each reaches the consumer.
     let run = Run::from_env();
     killed_after_commit_before_ack(broker, run, run.messages + run.retries).await;
+}
+
+#[cfg(feature = "kafka")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_consumer_killed_after_its_commit_before_its_offset_commit_has_each_effect_once() {
+    let kafka = support::kafka::Kafka::start();
+    let topic = kafka.topic("payments", 4).await;
+    let broker = Broker {
+        producer: "kafka_producer",
+        consumer: "kafka_consumer",
+        // A killed consumer's partitions go to the next one after three seconds.
+        destination: vec![
+            "--topic".into(),
+            topic.clone(),
+            "--session-timeout".into(),
+            "3".into(),
+        ],
+        url: ("KAFKA_BROKERS", kafka.servers().to_owned()),
+        redelivery: Redelivery::FromCommittedOffset,
+        // The last consumer waits for the killed one's session to end before it is given its
+        // partitions.
+        idle: "10",
+    };
+    // Kafka keeps the producer's retried copies (new offsets): each reaches the consumer.
+    let run = Run::from_env();
+    killed_after_commit_before_ack(broker, run, run.messages + run.retries).await;
+    for (partition, (end, committed)) in kafka.lag("ledger", &topic).await {
+        assert_eq!(
+            committed.unwrap_or(0),
+            end,
+            "partition {partition}: the last consumer committed every offset at its shutdown"
+        );
+    }
 }

@@ -59,6 +59,11 @@ impl Kafka {
         self.mock.is_some()
     }
 
+    /// The cluster's bootstrap servers, for a process of its own.
+    pub fn servers(&self) -> &str {
+        &self.servers
+    }
+
     /// The client settings of this cluster.
     pub fn client(&self) -> ClientConfig {
         client_at(&self.servers)
