@@ -24,6 +24,8 @@ use crate::roles::Payload;
 pub struct Config {
     pub pg: String,
     pub amqp: String,
+    /// The Kafka cluster's servers, when the second hop is Kafka.
+    pub kafka: Option<String>,
     pub restart: Option<String>,
     pub messages: usize,
     pub keys: usize,
@@ -335,8 +337,9 @@ pub async fn run(config: &Config, queue_a: &str, queue_b: &str) -> Result<Outcom
         let Ok((through_b, unsent)) = through else {
             continue;
         };
-        let drained =
-            ready(&connection, queue_a).await == 0 && ready(&connection, queue_b).await == 0;
+        let drained = ready(&connection, queue_a).await == 0
+            && ready(&connection, queue_b).await == 0
+            && b_committed(config, queue_b).await;
         if through_b as usize == config.messages && unsent == 0 && drained {
             match done_since {
                 // Still so a second later: nothing was in flight.
@@ -358,6 +361,16 @@ pub async fn run(config: &Config, queue_a: &str, queue_b: &str) -> Result<Outcom
     Ok(Outcome { messages, figures })
 }
 
+/// Whether B committed everything on Kafka (always, when the second hop is RabbitMQ: its queue's
+/// ready count says it).
+async fn b_committed(config: &Config, topic: &str) -> bool {
+    match &config.kafka {
+        #[cfg(feature = "kafka")]
+        Some(servers) => crate::kafka::drained(servers, topic).await,
+        _ => true,
+    }
+}
+
 /// Starts the process of `role` in `slot`, and a task that forwards its stdout lines and its exit.
 fn spawn(
     config: &Config,
@@ -372,6 +385,9 @@ fn spawn(
     let seed = config.seed.wrapping_add(slot as u64 * 1000 + generation);
     let mut command = Command::new(exe);
     command.env("CHAOS_B_QUEUE", queue_b);
+    if let Some(servers) = &config.kafka {
+        command.env("CHAOS_KAFKA", servers);
+    }
     match role {
         Role::A => command.args(["consume-a", queue_a]),
         Role::B => command.args(["consume-b", queue_b]),

@@ -7,18 +7,25 @@
 //! exactly once, none was lost, and that B processed each ordering key's messages in the order A
 //! committed them.
 //!
+//! With `--broker kafka` the second hop is Kafka: the relays publish with the Kafka publisher
+//! (the ordering key as the record's key) and B is the Kafka runner (`kafka.rs`). Without
+//! `--broker`, the short run of each.
+//!
 //! ```text
-//! cargo test --all-features --test chaos_outbox                  # the short run CI makes
+//! cargo test --all-features --test chaos_outbox                  # the short runs CI makes
 //! cargo test --release --all-features --test chaos_outbox -- \
-//!     --messages 10000 --keys 50 --kill-rate 0.01 --db-restarts 4
+//!     --messages 10000 --keys 50 --kill-rate 0.01 --db-restarts 4 --broker kafka
 //! ```
 //!
 //! Needs `IDEMPOTENT_PG_URL` (restarted through `IDEMPOTENT_PG_RESTART`, which
-//! `scripts/postgres start` sets) and `IDEMPOTENT_AMQP_URL`. The binary is also each process: the
-//! driver starts copies of itself with `consume-a`, `relay` or `consume-b`.
+//! `scripts/postgres start` sets) and `IDEMPOTENT_AMQP_URL`; Kafka is librdkafka's mock cluster in
+//! the driver's process, or the server at `IDEMPOTENT_KAFKA_URL`. The binary is also each process:
+//! the driver starts copies of itself with `consume-a`, `relay` or `consume-b`.
 
 mod checker;
 mod driver;
+#[cfg(feature = "kafka")]
+mod kafka;
 mod roles;
 
 use std::time::Duration;
@@ -57,8 +64,15 @@ fn main() {
         std::env::var(name)
             .unwrap_or_else(|_| panic!("{name} is not set: run the tests with scripts/test"))
     };
+    let brokers: Vec<&str> = match flag("--broker").as_deref() {
+        None => vec!["rabbitmq", "kafka"],
+        Some("rabbitmq") => vec!["rabbitmq"],
+        Some("kafka") => vec!["kafka"],
+        Some(other) => panic!("--broker is rabbitmq or kafka, not {other}"),
+    };
     let mut config = Config {
         pg: String::new(),
+        kafka: None,
         amqp: env("IDEMPOTENT_AMQP_URL"),
         restart: std::env::var("IDEMPOTENT_PG_RESTART").ok(),
         messages: number("--messages", 800.0) as usize,
@@ -72,28 +86,70 @@ fn main() {
         seed: number("--seed", 11.0) as u64,
         deadline: Duration::from_secs(number("--deadline-secs", 900.0) as u64),
     };
+    if config.restart.is_none() {
+        println!(
+            "chaos_outbox: IDEMPOTENT_PG_RESTART is not set, so this run cannot restart PostgreSQL"
+        );
+        config.db_restarts = 0;
+    }
     let ok = runtime.block_on(async {
-        config.pg = fresh_database(&env("IDEMPOTENT_PG_URL")).await;
-        if config.restart.is_none() {
-            println!("chaos_outbox: IDEMPOTENT_PG_RESTART is not set, so this run cannot restart PostgreSQL");
-            config.db_restarts = 0;
+        let mut ok = true;
+        for broker in brokers {
+            let mut config = config.clone();
+            config.pg = fresh_database(&env("IDEMPOTENT_PG_URL")).await;
+            ok &= match broker {
+                "kafka" => {
+                    // A killed B gets its partitions back about 5 s later on the mock cluster (its
+                    // session times out, then the group rebalances), where RabbitMQ redelivers at
+                    // once: the short run on Kafka is 300 messages (about ten kills of B).
+                    if flag("--messages").is_none() {
+                        config.messages = 300;
+                    }
+                    on_kafka(config).await
+                }
+                _ => run(config, driver::queues()).await,
+            };
         }
-        run(config).await
+        ok
     });
     if !ok {
         std::process::exit(1);
     }
 }
 
-async fn run(config: Config) -> bool {
+/// The run with Kafka as the second hop.
+#[cfg(feature = "kafka")]
+async fn on_kafka(mut config: Config) -> bool {
+    let cluster = kafka::Cluster::start();
+    config.kafka = Some(cluster.servers().to_owned());
+    let (queue_a, topic_b) = driver::queues();
+    if let Err(error) = cluster.topics(&topic_b, 4).await {
+        println!("chaos_outbox: FAILED: {error}");
+        return false;
+    }
+    run(config, (queue_a, topic_b)).await
+}
+
+#[cfg(not(feature = "kafka"))]
+async fn on_kafka(_: Config) -> bool {
+    println!("chaos_outbox: --broker kafka needs the `kafka` feature");
+    false
+}
+
+/// One run, with A's queue and B's queue (or topic).
+async fn run(config: Config, (queue_a, queue_b): (String, String)) -> bool {
     setup(&config.pg).await;
-    let (queue_a, queue_b) = driver::queues();
     println!(
-        "chaos_outbox: {} messages on {} ordering keys, {} consumer A processes, {} relays, 1 consumer B, kill rate {}, {} PostgreSQL restarts, seed {}",
+        "chaos_outbox: {} messages on {} ordering keys, {} consumer A processes, {} relays to {}, 1 consumer B, kill rate {}, {} PostgreSQL restarts, seed {}",
         config.messages,
         config.keys,
         config.consumers_a,
         config.relays,
+        if config.kafka.is_some() {
+            "Kafka"
+        } else {
+            "RabbitMQ"
+        },
         config.kill_rate,
         config.db_restarts,
         config.seed

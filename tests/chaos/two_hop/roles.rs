@@ -1,7 +1,8 @@
 //! The processes of the two-hop run, each a copy of the test binary started by the driver:
 //! consumer A (an inbox and an outbox on PostgreSQL, fed by RabbitMQ), the relays (A's outbox to
-//! RabbitMQ), and consumer B (an inbox on PostgreSQL, fed by the relays' queue). Each stops at its
-//! crash points when the dice say so, prints `PAUSED <role> <point>`, and waits to be SIGKILLed.
+//! RabbitMQ, or to Kafka with `CHAOS_KAFKA`), and consumer B (an inbox on PostgreSQL, fed by the
+//! relays' queue, or by their topic through the Kafka runner: `kafka.rs`). Each stops at its crash
+//! points when the dice say so, prints `PAUSED <role> <point>`, and waits to be SIGKILLed.
 
 use std::io::Write;
 use std::sync::Mutex;
@@ -85,7 +86,7 @@ pub struct Incoming {
 }
 
 impl Incoming {
-    async fn crash_at(&self, point: Point) {
+    pub async fn crash_at(&self, point: Point) {
         if self.crash == Some(point) {
             pause(self.role, point).await;
         }
@@ -149,7 +150,7 @@ async fn hop_b(tx: &mut PgConnection, msg: &Incoming) -> Result<(), ChaosError> 
 }
 
 /// A pool on the run's database that waits out a PostgreSQL restart.
-fn pool(url: &str) -> PgPool {
+pub fn pool(url: &str) -> PgPool {
     sqlx::postgres::PgPoolOptions::new()
         .max_connections(4)
         .acquire_timeout(Duration::from_secs(3))
@@ -157,11 +158,53 @@ fn pool(url: &str) -> PgPool {
         .expect("a PostgreSQL URL")
 }
 
+/// Where the dice stop this delivery's process, if they do.
+pub fn roll(dice: &Mutex<StdRng>, rate: f64) -> Option<Point> {
+    let mut dice = dice.lock().unwrap();
+    dice.random_bool(rate)
+        .then(|| [Point::BeforeHandle, Point::InBody, Point::AfterCommit][dice.random_range(0..3)])
+}
+
+/// Handles a delivery at A or B until it commits, retrying what is retryable in place (so that B's
+/// order is not changed by a retry), stopping at the delivery's crash point on the way; after it
+/// the delivery may be acknowledged.
+pub async fn settle(inbox: &Inbox<Postgres>, incoming: &Incoming) -> Handled<()> {
+    incoming.crash_at(Point::BeforeHandle).await;
+    let mut pause = Duration::from_millis(20);
+    let handled = loop {
+        let outcome: Result<Handled<()>, Error<ChaosError>> = if incoming.role == "a" {
+            hop_a(inbox, incoming).await
+        } else {
+            hop_b(inbox, incoming).await
+        };
+        match outcome {
+            Ok(handled) => break handled,
+            Err(error) if error.is_retryable() => {
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(1));
+            }
+            Err(error) => {
+                eprintln!("consumer {}: not retryable: {error:?}", incoming.role);
+                say(&format!("FAILED {} {}", incoming.role, incoming.message_id));
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    incoming.crash_at(Point::AfterCommit).await;
+    handled
+}
+
 /// A consumer process: `role` is `a` or `b`. Consumes its queue (A with `prefetch` deliveries at
-/// once, B one at a time so that its processing follows the queue's order), handles each
-/// delivery until it commits (retrying what is retryable in place, so that B's order is not
-/// changed by a retry), then acknowledges it.
+/// once, B one at a time so that its processing follows the queue's order), settles each
+/// delivery, then acknowledges it. B with `CHAOS_KAFKA` (the cluster's servers) is the Kafka
+/// runner on the topic `queue`.
 pub async fn consume(role: &'static str, pg: &str, amqp: &str, queue: &str, rate: f64, seed: u64) {
+    #[cfg(feature = "kafka")]
+    if role == "b"
+        && let Ok(servers) = std::env::var("CHAOS_KAFKA")
+    {
+        return crate::kafka::consume_b(pg, &servers, queue, rate, seed).await;
+    }
     let inbox = Inbox::<Postgres>::new(pool(pg));
     let inbox = if role == "b" {
         inbox.with_table("b_inbox").expect("a table name")
@@ -195,13 +238,7 @@ pub async fn consume(role: &'static str, pg: &str, amqp: &str, queue: &str, rate
         let inbox = inbox.clone();
         let dice = dice.clone();
         let work = async move {
-            let crash = {
-                let mut dice = dice.lock().unwrap();
-                dice.random_bool(rate).then(|| {
-                    [Point::BeforeHandle, Point::InBody, Point::AfterCommit]
-                        [dice.random_range(0..3)]
-                })
-            };
+            let crash = roll(&dice, rate);
             let message_id = delivery
                 .properties
                 .message_id()
@@ -215,28 +252,7 @@ pub async fn consume(role: &'static str, pg: &str, amqp: &str, queue: &str, rate
                 crash,
                 role,
             };
-            incoming.crash_at(Point::BeforeHandle).await;
-            let mut pause = Duration::from_millis(20);
-            let handled = loop {
-                let outcome: Result<Handled<()>, Error<ChaosError>> = if role == "a" {
-                    hop_a(&inbox, &incoming).await
-                } else {
-                    hop_b(&inbox, &incoming).await
-                };
-                match outcome {
-                    Ok(handled) => break handled,
-                    Err(error) if error.is_retryable() => {
-                        tokio::time::sleep(pause).await;
-                        pause = (pause * 2).min(Duration::from_secs(1));
-                    }
-                    Err(error) => {
-                        eprintln!("consumer {role}: not retryable: {error:?}");
-                        say(&format!("FAILED {role} {}", incoming.message_id));
-                        std::future::pending::<()>().await;
-                    }
-                }
-            };
-            incoming.crash_at(Point::AfterCommit).await;
+            let handled = settle(&inbox, &incoming).await;
             delivery
                 .ack(BasicAckOptions::default())
                 .await
@@ -265,13 +281,13 @@ pub async fn consume(role: &'static str, pg: &str, amqp: &str, queue: &str, rate
 
 /// A broker client that stops its process before a publication, or after the broker confirmed it
 /// and before the relay could mark it sent, when the dice say so.
-struct Killing {
-    inner: OutboxPublisher,
+struct Killing<P> {
+    inner: P,
     rate: f64,
     dice: Mutex<StdRng>,
 }
 
-impl Publisher for Killing {
+impl<P: Publisher> Publisher for Killing<P> {
     async fn publish(&self, publication: &Publication) -> Result<(), PublishError> {
         let (before, after) = {
             let mut dice = self.dice.lock().unwrap();
@@ -291,9 +307,13 @@ impl Publisher for Killing {
     }
 }
 
-/// A relay process: A's outbox to RabbitMQ, until the driver kills it or closes its stdin.
+/// A relay process: A's outbox to RabbitMQ (or to Kafka, with `CHAOS_KAFKA`), until the driver
+/// kills it or closes its stdin.
 pub async fn relay(pg: &str, amqp: &str, rate: f64, seed: u64) {
-    let inbox = Inbox::<Postgres>::new(pool(pg));
+    #[cfg(feature = "kafka")]
+    if let Ok(servers) = std::env::var("CHAOS_KAFKA") {
+        return run_relay(pg, crate::kafka::publisher(&servers), rate, seed).await;
+    }
     let publisher = loop {
         match OutboxPublisher::connect(amqp).await {
             Ok(publisher) => break publisher,
@@ -303,6 +323,11 @@ pub async fn relay(pg: &str, amqp: &str, rate: f64, seed: u64) {
             }
         }
     };
+    run_relay(pg, publisher, rate, seed).await;
+}
+
+async fn run_relay(pg: &str, publisher: impl Publisher + 'static, rate: f64, seed: u64) {
+    let inbox = Inbox::<Postgres>::new(pool(pg));
     let killing = Killing {
         inner: publisher,
         rate,
