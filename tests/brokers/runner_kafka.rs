@@ -471,6 +471,54 @@ async fn batches_settle_each_record_by_its_own_outcome() {
     nothing_left_uncommitted(&kafka, &group, &topic).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_of_several_workers_keep_each_partitions_order() {
+    let kafka = Kafka::start();
+    let topic = kafka.topic("batches", 4).await;
+    let group = format!("{topic}-ledger");
+    let shop = Shop::new().await;
+    // 8 keys over 4 partitions, 30 records each; one in ten slow, so that batches overlap.
+    let mut keys: std::collections::BTreeMap<String, Vec<String>> = Default::default();
+    for i in 0..240 {
+        let (key, id) = (format!("k{}", i % 8), format!("b-{i}"));
+        let kind = if i % 10 == 3 {
+            Kind::Slow(15)
+        } else {
+            Kind::Ok
+        };
+        kafka.produce(&topic, &key, Some(&id), kind).await;
+        keys.entry(key).or_default().push(id);
+    }
+    let shutdown = Shutdown::new();
+    let body = shop.batch_body();
+    let running = tokio::spawn(
+        runner(&kafka, &group, &topic)
+            .workers(4)
+            .shutdown_on(shutdown.clone())
+            .run_batches(
+                shop.inbox.clone(),
+                "shop",
+                Batches::new(10, Duration::from_millis(20)),
+                move || body.clone(),
+            ),
+    );
+    eventually(Duration::from_secs(60), async || {
+        shop.effects().await.len() == 240
+    })
+    .await;
+    shutdown.cancel();
+    let stats = running.await.unwrap().unwrap();
+    assert_eq!(stats.processed, 240);
+    assert!(shop.effects().await.values().all(|count| *count == 1));
+    let order = committed_in_order(&shop).await;
+    for (key, ids) in &keys {
+        let seen: Vec<&String> = order.iter().filter(|id| ids.contains(id)).collect();
+        let expected: Vec<&String> = ids.iter().collect();
+        assert_eq!(seen, expected, "the records of {key} out of order");
+    }
+    nothing_left_uncommitted(&kafka, &group, &topic).await;
+}
+
 fn publication(id: &str, topic: &str, key: Option<&str>) -> Publication {
     let mut message = OutgoingMessage::new(Destination::topic(topic), id.as_bytes().to_vec())
         .with_header("trace", "t-1");

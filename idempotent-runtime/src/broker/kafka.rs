@@ -200,7 +200,7 @@ impl Runner {
         self,
         workers: Vec<W>,
         take: DeliveriesAtOnce,
-        process: P,
+        mut process: P,
     ) -> Result<RunnerStats, BrokerError>
     where
         W: Send + 'static,
@@ -229,14 +229,8 @@ impl Runner {
         if shutdown.is_cancelled() {
             return Ok(self.options.counters.snapshot());
         }
-        // A partition's records one at a time, but for one worker's batches, which keep their order.
-        let in_flight = if self.options.workers == 1 {
-            take.most
-        } else {
-            1
-        };
         let partitions = Arc::new(Mutex::new(Partitions::new(
-            in_flight,
+            take.most,
             (take.most * 2).max(PAUSE_ABOVE),
         )));
         let wake = Arc::new(Notify::new());
@@ -280,6 +274,13 @@ impl Runner {
             let delivery = fetch.next().await;
             Some((delivery, fetch))
         });
+        // A unit is closed when it goes to its worker: the next takes other partitions until its
+        // records settle.
+        let closing = settling.clone();
+        let process = move |worker, unit| {
+            closing.partitions().close_unit();
+            process(worker, unit)
+        };
         let driven = drive(deliveries, shutdown, workers, take, process).await;
         // What was fetched and not started is fetched again by whoever consumes next; what is done
         // is committed, and the consumer leaves its group.

@@ -277,6 +277,7 @@ pub async fn eventually(limit: Duration, mut done: impl AsyncFnMut() -> bool) {
 }
 
 /// The shop's body for a runner in batch mode: the same effect, on the batch's connection.
+#[derive(Clone)]
 pub struct ShopBody {
     attempts: Arc<Mutex<Vec<Attempt>>>,
 }

@@ -2,9 +2,11 @@
 //! in flight, and the offset each partition may commit. Plain data, with no Kafka client in it.
 //!
 //! The rules, each in one place:
-//! - A partition's records go to the workers in offset order, at most `in_flight` of them at once
-//!   (one, unless a single worker takes batches): records that succeed keep their partition's
-//!   order.
+//! - A partition's records go to one unit at a time (the deliveries one worker takes at once), in
+//!   offset order, at most `per_unit` of them: records that succeed keep their partition's order,
+//!   and a batch takes several records of a partition where it has them. The runner closes a unit
+//!   when it hands it to its worker ([`Partitions::close_unit`]); until the unit's records settle,
+//!   the next units take other partitions.
 //! - A record is handed out only once it is due: a retry waits for its delay on its retry topic,
 //!   and a record handed back (its retry or dead letter could not be published) waits for its
 //!   back-off, holding back the rest of its partition.
@@ -57,6 +59,8 @@ struct Partition {
     /// Fetched, not handed out: in offset order.
     held: VecDeque<Held>,
     in_flight: BTreeSet<i64>,
+    /// The unit that took what is in flight.
+    unit: u64,
     /// The highest offset settled.
     settled: Option<i64>,
     /// The offset last given to commit (at first, the one fetching started at).
@@ -65,6 +69,12 @@ struct Partition {
 }
 
 impl Partition {
+    /// Whether `unit` may take this partition's next record: nothing is in flight, or `unit` took
+    /// what is and has room for more.
+    fn free_for(&self, unit: u64, per_unit: usize) -> bool {
+        self.in_flight.is_empty() || (self.unit == unit && self.in_flight.len() < per_unit)
+    }
+
     /// The offset to commit: the lowest unfinished record's, or past the highest settled one.
     fn commit_offset(&self) -> Option<i64> {
         let lowest_held = self.held.front().map(|held| held.offset);
@@ -100,22 +110,30 @@ pub(super) struct Partitions {
     order: Vec<TopicPartition>,
     next_turn: usize,
     next_hold: u64,
-    in_flight: usize,
+    /// The unit being filled.
+    unit: u64,
+    per_unit: usize,
     pause_above: usize,
 }
 
 impl Partitions {
-    /// Partitions each with at most `in_flight` records at once with the workers, whose fetching
-    /// pauses while more than `pause_above` records wait here.
-    pub(super) fn new(in_flight: usize, pause_above: usize) -> Self {
+    /// Partitions each giving at most `per_unit` records to a unit, whose fetching pauses while
+    /// more than `pause_above` records wait here.
+    pub(super) fn new(per_unit: usize, pause_above: usize) -> Self {
         Self {
             partitions: HashMap::new(),
             order: Vec::new(),
             next_turn: 0,
             next_hold: 0,
-            in_flight: in_flight.max(1),
+            unit: 0,
+            per_unit: per_unit.max(1),
             pause_above: pause_above.max(1),
         }
+    }
+
+    /// Closes the unit being filled: the records taken from now on belong to the next one.
+    pub(super) fn close_unit(&mut self) {
+        self.unit += 1;
     }
 
     /// Holds a fetched `record` of `partition` (due at `due`, when it is a retry's) until a worker
@@ -160,6 +178,7 @@ impl Partitions {
                 hold,
                 held: VecDeque::new(),
                 in_flight: BTreeSet::new(),
+                unit: 0,
                 settled: None,
                 committed: None,
                 paused: false,
@@ -177,7 +196,7 @@ impl Partitions {
                 .partitions
                 .get_mut(key)
                 .expect("ordered partitions are held");
-            let ready = partition.in_flight.len() < self.in_flight
+            let ready = partition.free_for(self.unit, self.per_unit)
                 && partition
                     .held
                     .front()
@@ -187,6 +206,7 @@ impl Partitions {
             }
             let held = partition.held.pop_front().expect("a record is held");
             partition.in_flight.insert(held.offset);
+            partition.unit = self.unit;
             let resume =
                 (partition.paused && partition.held.len() <= self.pause_above / 2).then(|| {
                     partition.paused = false;
@@ -207,7 +227,7 @@ impl Partitions {
     pub(super) fn next_wake(&self) -> Option<Instant> {
         self.partitions
             .values()
-            .filter(|partition| partition.in_flight.len() < self.in_flight)
+            .filter(|partition| partition.free_for(self.unit, self.per_unit))
             .filter_map(|partition| partition.held.front().and_then(|held| held.due))
             .min()
     }
@@ -342,6 +362,37 @@ mod tests {
         assert_eq!(partitions.settled(&tp(1), h1, 0), Some(1));
         assert_eq!(take(&mut partitions, now).map(|t| (t.0, t.1)), Some((1, 1)));
         assert_eq!(partitions.settled(&tp(0), h0, 0), Some(1));
+    }
+
+    #[test]
+    fn a_unit_takes_several_records_of_a_partition_and_the_next_unit_waits_for_them() {
+        let now = Instant::now();
+        let mut partitions = Partitions::new(3, 100);
+        for offset in 0..4 {
+            partitions.fetched(tp(0), record(0, offset), None);
+        }
+        partitions.fetched(tp(1), record(1, 0), None);
+        // The first unit: partitions in turn, each as far as the unit has room.
+        let first: Vec<_> = std::iter::from_fn(|| take(&mut partitions, now)).collect();
+        let taken: Vec<_> = first.iter().map(|t| (t.0, t.1)).collect();
+        assert_eq!(taken, [(0, 0), (1, 0), (0, 1), (0, 2)]);
+        partitions.close_unit();
+        assert_eq!(
+            take(&mut partitions, now),
+            None,
+            "partition 0's next record waits while the first unit has its earlier ones"
+        );
+        let hold = first[0].2;
+        for offset in 0..2 {
+            assert_eq!(partitions.settled(&tp(0), hold, offset), Some(offset + 1));
+            assert_eq!(
+                take(&mut partitions, now),
+                None,
+                "offset 2 is still in flight"
+            );
+        }
+        assert_eq!(partitions.settled(&tp(0), hold, 2), Some(3));
+        assert_eq!(take(&mut partitions, now).map(|t| (t.0, t.1)), Some((0, 3)));
     }
 
     #[test]
