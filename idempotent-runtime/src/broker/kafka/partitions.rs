@@ -51,6 +51,23 @@ struct Held {
     record: OwnedMessage,
 }
 
+impl Held {
+    /// The bytes it holds: its key, payload and headers.
+    fn size(&self) -> usize {
+        use rdkafka::Message as _;
+        use rdkafka::message::Headers as _;
+        let headers = self.record.headers().map_or(0, |headers| {
+            headers
+                .iter()
+                .map(|header| header.key.len() + header.value.map_or(0, <[u8]>::len))
+                .sum()
+        });
+        self.record.key().map_or(0, <[u8]>::len)
+            + self.record.payload().map_or(0, <[u8]>::len)
+            + headers
+    }
+}
+
 #[derive(Debug)]
 struct Partition {
     /// Which hold this is: a partition revoked and assigned again is a new hold, and what was in
@@ -58,6 +75,8 @@ struct Partition {
     hold: u64,
     /// Fetched, not handed out: in offset order.
     held: VecDeque<Held>,
+    /// Their bytes.
+    held_bytes: usize,
     in_flight: BTreeSet<i64>,
     /// The unit that took what is in flight.
     unit: u64,
@@ -98,9 +117,37 @@ impl Partition {
             // Fetched again (a seek back): the one here already stands for it.
             return;
         }
+        self.held_bytes += held.size();
         self.held.insert(at, held);
     }
+
+    fn take_held(&mut self) -> Held {
+        let held = self.held.pop_front().expect("a record is held");
+        self.held_bytes -= held.size();
+        held
+    }
+
+    /// Whether it holds more than `limit` (its fetching pauses).
+    fn holds_more_than(&self, limit: HeldLimit) -> bool {
+        self.held.len() > limit.records || self.held_bytes > limit.bytes
+    }
+
+    /// Whether it holds no more than half of `limit` (its fetching resumes).
+    fn holds_at_most_half(&self, limit: HeldLimit) -> bool {
+        self.held.len() <= limit.records / 2 && self.held_bytes <= limit.bytes / 2
+    }
 }
+
+/// How much a partition holds, fetched and not handed out, before its fetching pauses; it resumes
+/// at half of it. Pausing a partition drops what the client fetched ahead for it, and resuming
+/// fetches again, so a limit hit often costs a fetch's round trip each time.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct HeldLimit {
+    pub(super) records: usize,
+    pub(super) bytes: usize,
+}
+
+impl Partition {}
 
 /// The runner's partitions; see the [module docs](self).
 #[derive(Debug)]
@@ -113,13 +160,13 @@ pub(super) struct Partitions {
     /// The unit being filled.
     unit: u64,
     per_unit: usize,
-    pause_above: usize,
+    pause_above: HeldLimit,
 }
 
 impl Partitions {
     /// Partitions each giving at most `per_unit` records to a unit, whose fetching pauses while
-    /// more than `pause_above` records wait here.
-    pub(super) fn new(per_unit: usize, pause_above: usize) -> Self {
+    /// they hold more than `pause_above`.
+    pub(super) fn new(per_unit: usize, pause_above: HeldLimit) -> Self {
         Self {
             partitions: HashMap::new(),
             order: Vec::new(),
@@ -127,7 +174,10 @@ impl Partitions {
             next_hold: 0,
             unit: 0,
             per_unit: per_unit.max(1),
-            pause_above: pause_above.max(1),
+            pause_above: HeldLimit {
+                records: pause_above.records.max(1),
+                bytes: pause_above.bytes.max(1),
+            },
         }
     }
 
@@ -159,7 +209,7 @@ impl Partitions {
             due,
             record,
         });
-        if !entry.paused && entry.held.len() > pause_above {
+        if !entry.paused && entry.holds_more_than(pause_above) {
             entry.paused = true;
             return Some(Fetching::Pause(partition));
         }
@@ -177,6 +227,7 @@ impl Partitions {
             .or_insert_with(|| Partition {
                 hold,
                 held: VecDeque::new(),
+                held_bytes: 0,
                 in_flight: BTreeSet::new(),
                 unit: 0,
                 settled: None,
@@ -204,11 +255,11 @@ impl Partitions {
             if !ready {
                 continue;
             }
-            let held = partition.held.pop_front().expect("a record is held");
+            let held = partition.take_held();
             partition.in_flight.insert(held.offset);
             partition.unit = self.unit;
             let resume =
-                (partition.paused && partition.held.len() <= self.pause_above / 2).then(|| {
+                (partition.paused && partition.holds_at_most_half(self.pause_above)).then(|| {
                     partition.paused = false;
                     Fetching::Resume(key.clone())
                 });
@@ -335,6 +386,13 @@ mod tests {
         )
     }
 
+    fn records(records: usize) -> HeldLimit {
+        HeldLimit {
+            records,
+            bytes: usize::MAX,
+        }
+    }
+
     fn take(partitions: &mut Partitions, now: Instant) -> Option<(i32, i64, u64)> {
         use rdkafka::Message as _;
         partitions
@@ -345,7 +403,7 @@ mod tests {
     #[test]
     fn one_record_of_a_partition_at_a_time_in_offset_order_partitions_in_turn() {
         let now = Instant::now();
-        let mut partitions = Partitions::new(1, 100);
+        let mut partitions = Partitions::new(1, records(100));
         for offset in 0..3 {
             partitions.fetched(tp(0), record(0, offset), None);
             partitions.fetched(tp(1), record(1, offset), None);
@@ -367,7 +425,7 @@ mod tests {
     #[test]
     fn a_unit_takes_several_records_of_a_partition_and_the_next_unit_waits_for_them() {
         let now = Instant::now();
-        let mut partitions = Partitions::new(3, 100);
+        let mut partitions = Partitions::new(3, records(100));
         for offset in 0..4 {
             partitions.fetched(tp(0), record(0, offset), None);
         }
@@ -398,7 +456,7 @@ mod tests {
     #[test]
     fn a_later_commit_never_passes_an_earlier_unfinished_record() {
         let now = Instant::now();
-        let mut partitions = Partitions::new(3, 100);
+        let mut partitions = Partitions::new(3, records(100));
         for offset in 10..13 {
             partitions.fetched(tp(0), record(0, offset), None);
         }
@@ -422,7 +480,7 @@ mod tests {
     #[test]
     fn a_handed_back_record_holds_its_partition_until_it_is_due() {
         let now = Instant::now();
-        let mut partitions = Partitions::new(1, 100);
+        let mut partitions = Partitions::new(1, records(100));
         partitions.fetched(tp(0), record(0, 0), None);
         partitions.fetched(tp(0), record(0, 1), None);
         let (lease, _) = partitions.next_due(now).unwrap();
@@ -440,7 +498,7 @@ mod tests {
     #[test]
     fn a_revoked_partition_is_forgotten_and_its_leases_settle_without_committing() {
         let now = Instant::now();
-        let mut partitions = Partitions::new(1, 100);
+        let mut partitions = Partitions::new(1, records(100));
         partitions.fetched(tp(0), record(0, 0), None);
         partitions.fetched(tp(0), record(0, 1), None);
         let (_, _, old) = take(&mut partitions, now).unwrap();
@@ -457,7 +515,7 @@ mod tests {
     #[test]
     fn fetching_pauses_above_the_limit_and_resumes_at_half() {
         let now = Instant::now();
-        let mut partitions = Partitions::new(1, 4);
+        let mut partitions = Partitions::new(1, records(4));
         let mut changes = Vec::new();
         for offset in 0..6 {
             changes.extend(partitions.fetched(tp(0), record(0, offset), None));
@@ -470,5 +528,40 @@ mod tests {
             resumed = resumed.or(change);
         }
         assert_eq!(resumed, Some(Fetching::Resume(tp(0))));
+    }
+
+    #[test]
+    fn fetching_pauses_above_the_bytes_limit_and_resumes_at_half() {
+        let now = Instant::now();
+        let limit = HeldLimit {
+            records: 100,
+            bytes: 250,
+        };
+        let mut partitions = Partitions::new(1, limit);
+        let sized = |offset| {
+            OwnedMessage::new(
+                Some(vec![0; 100]),
+                None,
+                "t".into(),
+                Timestamp::NotAvailable,
+                0,
+                offset,
+                None,
+            )
+        };
+        let mut changes = Vec::new();
+        for offset in 0..3 {
+            changes.extend(partitions.fetched(tp(0), sized(offset), None));
+        }
+        assert_eq!(
+            changes,
+            [Fetching::Pause(tp(0))],
+            "300 bytes held, over 250"
+        );
+        let (first, resume) = partitions.next_due(now).unwrap();
+        assert_eq!(resume, None, "200 bytes held, over half of 250");
+        partitions.settled(&tp(0), first.hold, 0);
+        let (_, resume) = partitions.next_due(now).unwrap();
+        assert_eq!(resume, Some(Fetching::Resume(tp(0))), "100 bytes held");
     }
 }
