@@ -1,17 +1,18 @@
-//! What the broker runners cost, measured in one run on this machine's RabbitMQ and NATS JetStream
-//! with the `#[idempotent]` handler on PostgreSQL; prints a table of messages per second and
-//! ratios. Each figure is the median of `--rounds` rounds (3 by default; the brokers' rounds
-//! alternate).
+//! What the broker runners cost, measured in one run on this machine's RabbitMQ, NATS JetStream
+//! and (with `kafka`) Kafka, with the `#[idempotent]` handler on PostgreSQL; prints a table of
+//! messages per second and ratios. Each figure is the median of `--rounds` rounds (3 by default;
+//! the brokers' rounds alternate).
 //!
 //! ```text
-//! cargo bench --bench broker --features rabbitmq,nats,postgres -- --rounds 5
+//! cargo bench --bench broker --features rabbitmq,nats,postgres,kafka -- --rounds 5
 //! ```
 //! (`IDEMPOTENT_PG_URL`, `IDEMPOTENT_AMQP_URL`, `IDEMPOTENT_NATS_URL`: `scripts/postgres start`,
-//! `scripts/rabbitmq start` and `scripts/nats start` print them.)
+//! `scripts/rabbitmq start` and `scripts/nats start` print them. Kafka is librdkafka's mock
+//! cluster in the benchmark's process, or the server at `IDEMPOTENT_KAFKA_URL`.)
 //!
-//! For each broker, the same messages (a payment to one of 1,000,000 accounts each; on RabbitMQ 20% of
-//! them published twice, as a retrying producer does, where JetStream drops such copies itself; 5%
-//! failing in the handler, which dead-letters them):
+//! For each broker, the same messages (a payment to one of 1,000,000 accounts each; on RabbitMQ
+//! and Kafka 20% of them published twice, as a retrying producer does, where JetStream drops such
+//! copies itself; 5% failing in the handler, which dead-letters them):
 //! - **broker**: consumed and acknowledged by a hand-written loop doing no database work: the
 //!   broker's own limit on this machine;
 //! - **hand-written**: one worker, a loop that calls the handler and acknowledges (dead-letters by
@@ -19,6 +20,13 @@
 //! - **runner**: the runner, one worker, one message per transaction;
 //! - **runner ×8**: eight workers;
 //! - **batches ×8**: eight workers in batch mode, up to 50 messages per transaction.
+//!
+//! And Kafka's publishing: rdkafka's own producer (`acks=all`, idempotent) against the outbox's
+//! Kafka publisher, one message at a time (a relay with one key in flight) and 64 at a time.
+
+#[cfg(feature = "kafka")]
+#[path = "broker/kafka.rs"]
+mod kafka;
 
 use std::time::{Duration, Instant};
 
@@ -563,41 +571,68 @@ async fn main() {
     // The brokers' rounds alternate, so that a slow spell of the machine does not hit one broker's
     // every round.
     let (mut amqp, mut jetstream) = (Vec::new(), Vec::new());
+    #[cfg(feature = "kafka")]
+    let (cluster, mut kafka_consumers, mut kafka_publishers) =
+        (kafka::Kafka::start().await, Vec::new(), Vec::new());
     for _ in 0..rounds {
         amqp.push(rabbitmq(&pool, &inbox, count).await);
         jetstream.push(nats(&pool, &inbox, count).await);
+        #[cfg(feature = "kafka")]
+        {
+            kafka_consumers.push(kafka::consume(&cluster, &pool, &inbox, count).await);
+            kafka_publishers.push(kafka::publish(&cluster, count).await);
+        }
     }
-    for (broker, rows) in [
-        ("RabbitMQ", medians(&amqp)),
-        ("NATS JetStream", medians(&jetstream)),
-    ] {
-        println!(
-            "\n{broker}, {count} messages (5% failing{}), PostgreSQL, medians of {rounds} rounds:",
-            if broker == "RabbitMQ" {
-                ", 20% published twice"
-            } else {
-                ""
-            }
+    let heading = |broker: &str, copies: bool| {
+        format!(
+            "{broker}, {count} messages (5% failing{}), PostgreSQL, medians of {rounds} rounds:",
+            if copies { ", 20% published twice" } else { "" }
+        )
+    };
+    print_consumers(&heading("RabbitMQ", true), &medians(&amqp));
+    print_consumers(&heading("NATS JetStream", false), &medians(&jetstream));
+    #[cfg(feature = "kafka")]
+    {
+        print_consumers(
+            &heading(&format!("Kafka on {}", cluster.name()), true),
+            &medians(&kafka_consumers),
         );
-        println!("| measurement | msg/s | vs hand-written | vs broker |");
-        println!("|---|---|---|---|");
-        let broker_rate = rows[0].1;
-        let hand = rows[1].1;
-        for (label, per_second) in &rows {
+        let rows = medians(&kafka_publishers);
+        println!("\nKafka publishing, {count} messages, medians of {rounds} rounds:");
+        println!("| measurement | msg/s | vs rdkafka's producer |");
+        println!("|---|---|---|");
+        for (i, (label, per_second)) in rows.iter().enumerate() {
+            // Rows alternate: rdkafka's producer, then the publisher, at each concurrency.
+            let baseline = rows[i - i % 2].1;
             println!(
-                "| {label} | {per_second:.0} | {:.2} | {:.2} |",
-                per_second / hand,
-                per_second / broker_rate
+                "| {label} | {per_second:.0} | {:.2} |",
+                per_second / baseline
             );
         }
-        let runner_one = rows[2].1;
+    }
+}
+
+/// One broker's table: the rows of `rabbitmq()`, `nats()` or `kafka::consume()`, in that order.
+fn print_consumers(heading: &str, rows: &[(&'static str, f64)]) {
+    println!("\n{heading}");
+    println!("| measurement | msg/s | vs hand-written | vs broker |");
+    println!("|---|---|---|---|");
+    let broker_rate = rows[0].1;
+    let hand = rows[1].1;
+    for (label, per_second) in rows {
         println!(
-            "runner cost against the hand-written loop: {:.1}%",
-            (1.0 - runner_one / hand) * 100.0
-        );
-        println!(
-            "batches of 50 against the runner's one-message mode, 8 workers each: {:.2}x",
-            rows[4].1 / rows[3].1
+            "| {label} | {per_second:.0} | {:.2} | {:.2} |",
+            per_second / hand,
+            per_second / broker_rate
         );
     }
+    let runner_one = rows[2].1;
+    println!(
+        "runner cost against the hand-written loop: {:.1}%",
+        (1.0 - runner_one / hand) * 100.0
+    );
+    println!(
+        "batches of 50 against the runner's one-message mode, 8 workers each: {:.2}x",
+        rows[4].1 / rows[3].1
+    );
 }
