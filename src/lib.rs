@@ -174,6 +174,9 @@ pub use idempotent_runtime::postgres;
 #[cfg(feature = "sqlite")]
 #[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
 pub use idempotent_runtime::sqlite;
+#[cfg(feature = "testing")]
+#[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
+pub use idempotent_runtime::testing;
 
 /// The sqlx this crate was built against; your handlers' connection types must come from the same
 /// version.
@@ -199,6 +202,8 @@ pub use idempotent_runtime::__private;
 /// - [Running at scale](guide::scale): many instances, Galera, a PostgreSQL standby, PgBouncer.
 /// - [Performance](guide::performance): what each part costs, measured.
 /// - [Architecture](guide::architecture): the crates and modules, and which way the arrows point.
+/// - [Testing your handlers](guide::testing_handlers) (feature `testing`): your handler delivered
+///   twice, in copies at once and dropped at each await point, checked against one delivery.
 /// - [Testing the suite](guide::testing): the servers `scripts/test` starts, and your own.
 pub mod guide {
     #[doc = include_str!("../docs/guarantees.md")]
@@ -240,6 +245,10 @@ pub mod guide {
     pub mod performance {}
     #[doc = include_str!("../docs/architecture.md")]
     pub mod architecture {}
+    #[doc = include_str!("../docs/handler_testing.md")]
+    #[cfg(all(feature = "testing", feature = "sqlite"))]
+    #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
+    pub mod testing_handlers {}
     #[doc = include_str!("../docs/testing.md")]
     pub mod testing {}
 }

@@ -43,6 +43,9 @@ pub mod schema;
 mod session;
 mod store;
 mod table;
+#[cfg(feature = "testing")]
+#[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
+pub mod testing;
 mod transaction;
 
 #[doc(hidden)]
