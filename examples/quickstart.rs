@@ -149,7 +149,7 @@ trait Shop {
     fn state(&self) -> impl Future<Output = Result<State, sqlx::Error>>;
 }
 
-#[derive(Debug)]
+#[derive(Debug, PartialEq)]
 struct State {
     paid_orders: Vec<(i64, String)>,
     emails: i64,
@@ -379,4 +379,44 @@ async fn sqlite_shop(url: &str) -> Result<SqliteShop, Box<dyn std::error::Error>
         .connect_with(idempotent::sqlite::connect_options(url)?)
         .await?;
     SqliteShop::open(pool).await
+}
+
+/// The handler delivered the ways a broker will, with the `testing` kit:
+/// `cargo test --example quickstart --features testing`.
+#[cfg(all(test, feature = "testing"))]
+mod tests {
+    use idempotent::Inbox;
+    use idempotent::testing::Check;
+    use sqlx::Sqlite;
+
+    use super::*;
+
+    #[tokio::test]
+    async fn on_payment_received_survives_what_brokers_do() {
+        let payment = PaymentReceived {
+            message_id: Uuid::now_v7(),
+            order_id: 2,
+            payment_id: "pay-2".into(),
+            amount_cents: 4000,
+        };
+        let checked = Check::new(
+            async || {
+                let memory = Inbox::<Sqlite>::in_memory().await?;
+                Ok::<_, Box<dyn std::error::Error>>(
+                    SqliteShop::open(memory.pool().clone()).await?.inbox,
+                )
+            },
+            async |inbox: &Inbox<Sqlite>| on_sqlite::on_payment_received(inbox, &payment).await,
+            async |inbox: &Inbox<Sqlite>| {
+                let shop = SqliteShop {
+                    inbox: inbox.clone(),
+                };
+                shop.state().await.unwrap()
+            },
+        )
+        .run()
+        .await
+        .unwrap_or_else(|divergence| panic!("{divergence}"));
+        assert!(checked.await_points >= 3, "{checked:?}");
+    }
 }
