@@ -6,8 +6,8 @@
 
 use std::sync::{Arc, Mutex};
 
-use idempotent::testing::{Check, Divergence, Schedule};
-use idempotent::{IdempotencyKey, Inbox, idempotent};
+use idempotent::testing::{Check, Checked, Divergence, Schedule};
+use idempotent::{Error, Handled, IdempotencyKey, Inbox, idempotent};
 use sqlx::{Sqlite, SqliteConnection, SqlitePool};
 
 #[derive(Debug, thiserror::Error)]
@@ -84,25 +84,43 @@ async fn state(inbox: &Inbox<Sqlite>, psp: &Psp) -> (i64, Vec<i64>) {
     (paid, psp.taken())
 }
 
-#[idempotent(key = "message_id", consumer = "orders")]
-async fn pay(tx: &mut SqliteConnection, msg: &Payment) -> Result<(), ShopError> {
+/// The payment's effect: the order's paid amount grows.
+async fn record(tx: &mut SqliteConnection, order: i64, amount: i64) -> Result<(), sqlx::Error> {
     sqlx::query("UPDATE orders SET paid = paid + $2 WHERE id = $1")
-        .bind(msg.order)
-        .bind(msg.amount)
+        .bind(order)
+        .bind(amount)
         .execute(&mut *tx)
         .await?;
+    Ok(())
+}
+
+/// Checks the handler that `deliver` calls, on a fresh in-memory inbox per schedule, against the
+/// order's paid amount and the charges taken.
+async fn check(
+    psp: &Psp,
+    deliver: impl AsyncFn(&Inbox<Sqlite>) -> Result<Handled<()>, Error<ShopError>>,
+) -> Result<Checked, Divergence> {
+    Check::new(
+        async || fresh(psp).await,
+        deliver,
+        async |inbox: &Inbox<Sqlite>| state(inbox, psp).await,
+    )
+    .run()
+    .await
+}
+
+#[idempotent(key = "message_id", consumer = "orders")]
+async fn pay(tx: &mut SqliteConnection, msg: &Payment) -> Result<(), ShopError> {
+    record(tx, msg.order, msg.amount).await?;
     Ok(())
 }
 
 #[tokio::test]
 async fn a_handler_without_mistakes_passes_every_schedule() {
     let psp = Psp::default();
-    let checked = Check::new(
-        async || fresh(&psp).await,
-        async |inbox: &Inbox<Sqlite>| pay(inbox, &Payment::delivered()).await,
-        async |inbox: &Inbox<Sqlite>| state(inbox, &psp).await,
-    )
-    .run()
+    let checked = check(&psp, async |inbox: &Inbox<Sqlite>| {
+        pay(inbox, &Payment::delivered()).await
+    })
     .await
     .unwrap_or_else(|divergence| panic!("{divergence}"));
     assert_eq!(checked.copies, 4);
@@ -129,14 +147,9 @@ async fn pay_on_the_pool(
 #[tokio::test]
 async fn an_effect_written_on_another_connection_is_caught() {
     let psp = Psp::default();
-    let divergence: Divergence = Check::new(
-        async || fresh(&psp).await,
-        async |inbox: &Inbox<Sqlite>| {
-            pay_on_the_pool(inbox, &Payment::delivered(), inbox.pool()).await
-        },
-        async |inbox: &Inbox<Sqlite>| state(inbox, &psp).await,
-    )
-    .run()
+    let divergence: Divergence = check(&psp, async |inbox: &Inbox<Sqlite>| {
+        pay_on_the_pool(inbox, &Payment::delivered(), inbox.pool()).await
+    })
     .await
     .expect_err("the write on the pool is caught");
     eprintln!("{divergence}");
@@ -158,11 +171,7 @@ async fn charge_without_key(
     psp: &Psp,
 ) -> Result<(), ShopError> {
     psp.charge(None, msg.amount);
-    sqlx::query("UPDATE orders SET paid = paid + $2 WHERE id = $1")
-        .bind(msg.order)
-        .bind(msg.amount)
-        .execute(&mut *tx)
-        .await?;
+    record(tx, msg.order, msg.amount).await?;
     Ok(())
 }
 
@@ -175,23 +184,16 @@ async fn charge_with_key(
     psp: &Psp,
 ) -> Result<(), ShopError> {
     psp.charge(Some(key.as_str()), msg.amount);
-    sqlx::query("UPDATE orders SET paid = paid + $2 WHERE id = $1")
-        .bind(msg.order)
-        .bind(msg.amount)
-        .execute(&mut *tx)
-        .await?;
+    record(tx, msg.order, msg.amount).await?;
     Ok(())
 }
 
 #[tokio::test]
 async fn an_outside_call_without_the_idempotency_key_is_caught() {
     let psp = Psp::default();
-    let divergence = Check::new(
-        async || fresh(&psp).await,
-        async |inbox: &Inbox<Sqlite>| charge_without_key(inbox, &Payment::delivered(), &psp).await,
-        async |inbox: &Inbox<Sqlite>| state(inbox, &psp).await,
-    )
-    .run()
+    let divergence = check(&psp, async |inbox: &Inbox<Sqlite>| {
+        charge_without_key(inbox, &Payment::delivered(), &psp).await
+    })
     .await
     .expect_err("the second charge is caught");
     eprintln!("{divergence}");
@@ -206,12 +208,9 @@ async fn an_outside_call_without_the_idempotency_key_is_caught() {
         "{divergence}"
     );
 
-    Check::new(
-        async || fresh(&psp).await,
-        async |inbox: &Inbox<Sqlite>| charge_with_key(inbox, &Payment::delivered(), &psp).await,
-        async |inbox: &Inbox<Sqlite>| state(inbox, &psp).await,
-    )
-    .run()
+    check(&psp, async |inbox: &Inbox<Sqlite>| {
+        charge_with_key(inbox, &Payment::delivered(), &psp).await
+    })
     .await
     .unwrap_or_else(|divergence| panic!("with the key: {divergence}"));
 }
@@ -235,22 +234,16 @@ impl Received {
 
 #[idempotent(key = "message_id", consumer = "orders")]
 async fn pay_received(tx: &mut SqliteConnection, msg: &Received) -> Result<(), ShopError> {
-    sqlx::query("UPDATE orders SET paid = paid + 250 WHERE id = $1")
-        .bind(msg.order)
-        .execute(&mut *tx)
-        .await?;
+    record(tx, msg.order, 250).await?;
     Ok(())
 }
 
 #[tokio::test]
 async fn a_key_that_changes_between_deliveries_is_caught() {
     let psp = Psp::default();
-    let divergence = Check::new(
-        async || fresh(&psp).await,
-        async |inbox: &Inbox<Sqlite>| pay_received(inbox, &Received::delivered()).await,
-        async |inbox: &Inbox<Sqlite>| state(inbox, &psp).await,
-    )
-    .run()
+    let divergence = check(&psp, async |inbox: &Inbox<Sqlite>| {
+        pay_received(inbox, &Received::delivered()).await
+    })
     .await
     .expect_err("the second delivery's effect is caught");
     eprintln!("{divergence}");
