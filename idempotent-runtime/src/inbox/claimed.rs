@@ -116,6 +116,17 @@ impl<DB: Backend> Claimed<DB> {
             metrics,
             outbox,
         } = self;
+        #[cfg(feature = "testing")]
+        if config.crash_before_commit {
+            let _ = tx.rollback().await;
+            return Err(InboxError::Database {
+                stage: Stage::Commit,
+                source: sqlx::Error::Protocol(
+                    "the testing kit stopped the delivery before its commit, as a crash".into(),
+                ),
+                fault: Fault::None,
+            });
+        }
         let claim = (&config.statements, &*consumer, &key);
         let written =
             outgoing::write::<DB>(tx.connection(), &config.statements.outbox, &outbox).await;

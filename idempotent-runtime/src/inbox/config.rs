@@ -15,6 +15,9 @@ pub(crate) struct Config<DB: Backend> {
     pub(crate) statements: Statements,
     pub(crate) settings: DB::Settings,
     pub(crate) retention: Retention,
+    /// The testing kit's crash: every claimed transaction is rolled back where it would commit.
+    #[cfg(feature = "testing")]
+    pub(crate) crash_before_commit: bool,
 }
 
 // Not derived: that would ask for `DB: Clone`.
@@ -25,6 +28,8 @@ impl<DB: Backend> Clone for Config<DB> {
             statements: self.statements.clone(),
             settings: self.settings.clone(),
             retention: self.retention.clone(),
+            #[cfg(feature = "testing")]
+            crash_before_commit: self.crash_before_commit,
         }
     }
 }
@@ -116,6 +121,18 @@ impl Inbox<sqlx::Postgres> {
     pub fn with_transaction_pooling(self) -> Self {
         self.with_config(|config| Config {
             statements: config.statements.clone().with_pooling(true),
+            ..config.clone()
+        })
+    }
+}
+
+#[cfg(feature = "testing")]
+impl<DB: Backend> Inbox<DB> {
+    /// Returns the same inbox, whose claimed transactions roll back where they would commit: the
+    /// testing kit's crash between a body and its commit.
+    pub(crate) fn crashing_before_commit(self) -> Self {
+        self.with_config(|config| Config {
+            crash_before_commit: true,
             ..config.clone()
         })
     }

@@ -79,6 +79,8 @@ impl<DB: Backend> Inbox<DB> {
                 table,
                 settings: DB::Settings::default(),
                 retention: Retention::default(),
+                #[cfg(feature = "testing")]
+                crash_before_commit: false,
             }),
             pool,
             metrics: Arc::default(),

@@ -14,6 +14,8 @@ pub enum Schedule {
     Twice,
     /// This many copies delivered at once (two instances given the same message).
     AtOnce(usize),
+    /// Delivered, the process crashed after the body and before the commit, then delivered again.
+    CrashedBeforeCommit,
     /// Delivered, the delivery dropped at this await point (numbered from 1: a crash, a timeout,
     /// a cancelled task), then delivered again to the end.
     DroppedAt(usize),
@@ -25,6 +27,9 @@ impl fmt::Display for Schedule {
             Schedule::Clean => f.write_str("one clean delivery"),
             Schedule::Twice => f.write_str("delivered twice, one after the other"),
             Schedule::AtOnce(copies) => write!(f, "{copies} copies delivered at once"),
+            Schedule::CrashedBeforeCommit => {
+                f.write_str("crashed after the body, before the commit, then delivered again")
+            }
             Schedule::DroppedAt(point) => write!(
                 f,
                 "dropped at its await point {point}, then delivered again"

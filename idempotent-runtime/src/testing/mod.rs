@@ -1,8 +1,8 @@
 //! A kit for testing your own handlers the way production will run them (feature `testing`).
 //!
 //! - [`Check`] delivers a `#[idempotent]` handler's message under the schedules a broker makes:
-//!   twice in a row, several copies at once, and dropped at each of its await points before it
-//!   is delivered again. After each it compares a state you read (your tables, your fakes of
+//!   twice in a row, several copies at once, crashed between its body and its commit, and
+//!   dropped at each of its await points, each time delivered again. After each it compares a state you read (your tables, your fakes of
 //!   outside services) with the state after one clean delivery, and reports the first schedule
 //!   whose state differs as a [`Divergence`], in words.
 //! - [`RecordingPublisher`] is a [`Publisher`](crate::outbox::Publisher) that keeps what it is
