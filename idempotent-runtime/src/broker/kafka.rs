@@ -76,8 +76,8 @@
 //! starts at the beginning rather than skipping what was produced before it), and
 //! `fetch.wait.max.ms=100` unless you set it: a partition whose fetching resumed waits for the
 //! broker's fetch under way, which at librdkafka's 500 ms held a backlog of eight partitions to
-//! 1,700 records a second. Its producer (retries
-//! and dead letters) gets `acks=all` and `enable.idempotence=true`.
+//! 1,700 records a second. Its producer (retries and dead letters) gets `acks=all` and
+//! `enable.idempotence=true`.
 
 /// The Kafka client this runner was built against: configure the runner's client with it.
 pub use rdkafka;
