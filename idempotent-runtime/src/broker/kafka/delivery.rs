@@ -180,11 +180,12 @@ impl Delivery for KafkaDelivery {
         match route {
             Route::Ack => {}
             Route::Retry { attempt, after } => {
-                let due = SystemTime::now() + *after;
-                let due = due
+                let due = (SystemTime::now() + *after)
                     .duration_since(UNIX_EPOCH)
-                    .unwrap_or_default()
-                    .as_millis();
+                    .unwrap_or_default();
+                // In whole milliseconds, rounded up: a retry is never handed out before its
+                // back-off (rounded down, one came 0.2 ms early once fetches were prompt).
+                let due = due.as_millis() + u128::from(due.subsec_nanos() % 1_000_000 != 0);
                 // A policy that retries has a retry topic for each of its delays.
                 let topic = self.settling.retry.topic(*after);
                 let topic = topic.ok_or(BrokerError::Refused { what: "retry" })?;
