@@ -225,7 +225,15 @@ async fn sqs_unreachable_mid_stream_loses_nothing_doubles_nothing_and_the_runner
         send(&sqs, &queue, Some(&format!("m-{i}")), Kind::Slow(50)).await;
     }
     let proxy = Proxy::start().await;
-    let through_proxy = client_at(&proxy.endpoint);
+    // Without the SDK's own retries: its three jittered attempts could carry every request across
+    // a 3 s cut (CI once counted no reconnect), and the runner must see SQS away.
+    let through_proxy = aws_sdk_sqs::Client::from_conf(
+        client_at(&proxy.endpoint)
+            .config()
+            .to_builder()
+            .retry_config(aws_sdk_sqs::config::retry::RetryConfig::disabled())
+            .build(),
+    );
     let shutdown = Shutdown::new();
     let running = tokio::spawn(spawned(
         Runner::new(through_proxy, &queue)
