@@ -185,7 +185,8 @@ impl Delivery for KafkaDelivery {
                     .unwrap_or_default();
                 // In whole milliseconds, rounded up: a retry is never handed out before its
                 // back-off (rounded down, one came 0.2 ms early once fetches were prompt).
-                let due = due.as_millis() + u128::from(due.subsec_nanos() % 1_000_000 != 0);
+                let due =
+                    due.as_millis() + u128::from(!due.subsec_nanos().is_multiple_of(1_000_000));
                 // A policy that retries has a retry topic for each of its delays.
                 let topic = self.settling.retry.topic(*after);
                 let topic = topic.ok_or(BrokerError::Refused { what: "retry" })?;
