@@ -49,22 +49,29 @@ struct Held {
     offset: i64,
     due: Option<Instant>,
     record: OwnedMessage,
+    /// The bytes it holds (key, payload and headers), counted once: what holding it adds to its
+    /// partition's bytes is what handing it out takes away.
+    size: usize,
 }
 
 impl Held {
-    /// The bytes it holds: its key, payload and headers.
-    fn size(&self) -> usize {
+    fn new(offset: i64, due: Option<Instant>, record: OwnedMessage) -> Self {
         use rdkafka::Message as _;
         use rdkafka::message::Headers as _;
-        let headers = self.record.headers().map_or(0, |headers| {
+        let headers = record.headers().map_or(0, |headers| {
             headers
                 .iter()
                 .map(|header| header.key.len() + header.value.map_or(0, <[u8]>::len))
                 .sum()
         });
-        self.record.key().map_or(0, <[u8]>::len)
-            + self.record.payload().map_or(0, <[u8]>::len)
-            + headers
+        let size =
+            record.key().map_or(0, <[u8]>::len) + record.payload().map_or(0, <[u8]>::len) + headers;
+        Self {
+            offset,
+            due,
+            record,
+            size,
+        }
     }
 }
 
@@ -117,13 +124,13 @@ impl Partition {
             // Fetched again (a seek back): the one here already stands for it.
             return;
         }
-        self.held_bytes += held.size();
+        self.held_bytes += held.size;
         self.held.insert(at, held);
     }
 
     fn take_held(&mut self) -> Held {
         let held = self.held.pop_front().expect("a record is held");
-        self.held_bytes -= held.size();
+        self.held_bytes -= held.size;
         held
     }
 
@@ -204,11 +211,7 @@ impl Partitions {
         }
         // Where the partition started: nothing before it is this hold's to commit.
         entry.committed.get_or_insert(offset);
-        entry.insert_held(Held {
-            offset,
-            due,
-            record,
-        });
+        entry.insert_held(Held::new(offset, due, record));
         if !entry.paused && entry.holds_more_than(pause_above) {
             entry.paused = true;
             return Some(Fetching::Pause(partition));
@@ -323,11 +326,7 @@ impl Partitions {
         };
         let offset = lease.record.offset();
         if partition.in_flight.remove(&offset) {
-            partition.insert_held(Held {
-                offset,
-                due: Some(due),
-                record: lease.record,
-            });
+            partition.insert_held(Held::new(offset, Some(due), lease.record));
         }
     }
 
