@@ -9,7 +9,8 @@
 //! - `POST /payments` writes to the database: its handler takes the claimed transaction
 //!   (`IdempotentTx`), so the payment, the key and the stored response commit together.
 //! - `POST /receipts` sends an email (here: a line on the screen and a counter) and does not touch
-//!   the database: its layer records a pending call with a lease instead.
+//!   the database: its layer records a pending call with a lease instead. Its twins wait for the
+//!   first request (`wait_for_first`) and get its answer, where a payment's twin gets `409`.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -97,6 +98,7 @@ async fn create_payment(
 
 /// Sends a receipt by email: an outside effect, outside the database.
 async fn send_receipt(State(app): State<App>, key: RequestKey) -> (StatusCode, Json<Value>) {
+    tokio::time::sleep(Duration::from_millis(300)).await; // the mail service takes a moment
     let sent = app.emails_sent.fetch_add(1, Ordering::SeqCst) + 1;
     // A real mail service would get `key.idempotency_key()` as its own idempotency key.
     println!(
@@ -111,7 +113,9 @@ async fn serve(pool: sqlx::SqlitePool, app: App) -> Result<String, Box<dyn std::
     let inbox = idempotent::Inbox::new(pool);
     inbox.migrate().await?;
     let payments = IdempotencyLayer::transactional(inbox.clone(), client_of);
-    let receipts = IdempotencyLayer::leased(inbox, client_of, Duration::from_secs(30))?;
+    // A receipt's twin waits up to 10 s for the first request, then gets its answer (not a 409).
+    let receipts = IdempotencyLayer::leased(inbox, client_of, Duration::from_secs(30))?
+        .wait_for_first(Duration::from_secs(10));
     // Stored responses expire after 24 hours; this purger deletes them.
     payments
         .inbox()
@@ -320,6 +324,32 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     )
     .await?;
 
+    let (a, b) = tokio::join!(
+        exchange(
+            &http,
+            &receipts,
+            "alice asks for receipt-2 from one tab",
+            "alice",
+            Some("receipt-2"),
+            json!({ "payment": 2 }),
+        ),
+        async {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            exchange(
+                &http,
+                &receipts,
+                "… and from another: it waits for the first",
+                "alice",
+                Some("receipt-2"),
+                json!({ "payment": 2 }),
+            )
+            .await
+        }
+    );
+    let (a, b) = (a?, b?);
+    assert_eq!((a.0, b.0), (202, 202));
+    assert_eq!(a.1, b.1, "the twin gets the first's answer");
+
     let rows: Vec<(i64, String, i64)> =
         sqlx::query_as("SELECT id, client, amount_cents FROM payments ORDER BY id")
             .fetch_all(&pool)
@@ -327,6 +357,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("\npayments in the database: {rows:?}");
     println!("emails sent: {}", emails_sent.load(Ordering::SeqCst));
     assert_eq!(rows.len(), 3, "alice's order-1 and order-2, bob's order-1");
-    assert_eq!(emails_sent.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        emails_sent.load(Ordering::SeqCst),
+        2,
+        "receipt-1 and receipt-2"
+    );
     Ok(())
 }

@@ -94,6 +94,140 @@ async fn fifty_concurrent_requests_with_one_key_have_one_effect<B: Backend>() {
     }
 }
 
+/// With `wait_for_first`, 50 requests with one key at the same moment over two instances: one
+/// runs, and the 49 others wait for it (on its instance woken as it ends, on the other following
+/// its claim in the database) and get its replay: not one 409. One effect.
+async fn fifty_twins_that_wait_get_one_run_and_forty_nine_replays<B: Backend>() {
+    let api = Api::<B>::start(Setup {
+        wait_for_first: Some(Duration::from_secs(30)),
+        ..Setup::default()
+    })
+    .await;
+    let other = api.another_instance();
+    for (route, effect) in ROUTES {
+        let label = format!("waiting-fifty-{effect}");
+        let order = json!({ "label": label, "sleep_ms": 800 });
+        let key = format!("k-waiting-fifty-{effect}");
+        let calls = (0..50).map(|i| {
+            let server = if i % 2 == 0 { &api.server } else { &other };
+            api.send_to(server, Call::new(route, &key, order.clone()))
+        });
+        let replies: Vec<Reply> = futures::future::join_all(calls)
+            .await
+            .into_iter()
+            .map(Result::unwrap)
+            .collect();
+        let statuses: Vec<_> = replies.iter().map(|r| r.status).collect();
+        assert!(statuses.iter().all(|s| *s == 201), "{route}: {statuses:?}");
+        let replayed = replies.iter().filter(|r| r.replayed()).count();
+        assert_eq!(replayed, 49, "{route}: {replies:?}");
+        assert!(replies.iter().all(|r| r.run() == 1), "{route}: {replies:?}");
+        assert_eq!(api.db.effects(effect, &label).await, 1, "{route}");
+        assert_eq!(api.seen.runs(&label), 1, "{route}");
+    }
+}
+
+/// With `wait_for_first`, a twin whose first request is still running when its patience is over
+/// gets the 409 with `Retry-After`, on the first's instance and on another, before the first
+/// ends; its retry afterwards gets the replay. (On SQLite, a transactional twin on another
+/// instance waits for the write lock whatever the layer says: see
+/// `a_transactional_twin_on_another_instance_waits_for_the_write_lock_then_replays`.)
+async fn a_twin_that_waited_its_patience_gets_409<B: Backend>() {
+    let patience = Duration::from_millis(300);
+    let api = Api::<B>::start(Setup {
+        wait_for_first: Some(patience),
+        ..Setup::default()
+    })
+    .await;
+    let other = api.another_instance();
+    for (route, effect) in ROUTES {
+        let label = format!("impatient-{effect}");
+        let order = json!({ "label": label, "sleep_ms": 2000 });
+        let call = || Call::new(route, &label, order.clone());
+        let on_other = !(B::ONE_WRITER && route == "/payments");
+        let (first, twins) = tokio::join!(api.send(call()), async {
+            api.until_runs(&label, 1).await;
+            let here = api.send(call());
+            let there = async {
+                if on_other {
+                    Some(api.send_to(&other, call()).await)
+                } else {
+                    None
+                }
+            };
+            tokio::join!(here, there)
+        });
+        let first = first.unwrap();
+        assert_eq!((first.status, first.replayed()), (201, false), "{route}");
+        let (here, there) = twins;
+        for twin in std::iter::once(here).chain(there) {
+            let twin = twin.unwrap();
+            assert_eq!(twin.status, 409, "{route}: {twin:?}");
+            assert_eq!(twin.code(), "idempotency_key_in_use");
+            assert!(twin.retry_after().is_some(), "{route}: {twin:?}");
+            assert!(
+                twin.elapsed >= patience,
+                "{route}: it did not wait: {twin:?}"
+            );
+            assert!(
+                twin.finished < first.finished,
+                "{route}: it waited for the first: {twin:?}"
+            );
+        }
+        let retry = api.send_to(&other, call()).await.unwrap();
+        assert_eq!(
+            (retry.status, retry.replayed(), retry.run()),
+            (201, true, 1)
+        );
+        assert_eq!(api.db.effects(effect, &label).await, 1, "{route}");
+    }
+}
+
+/// With `wait_for_first`, twins of a first request whose response is not stored (a 500) do not
+/// replay it: once it ends, one of them runs the handler, as a retry would, and the other gets
+/// that run's replay. Two runs, one effect.
+async fn twins_of_a_failed_first_request_run_it_again<B: Backend>() {
+    let api = Api::<B>::start(Setup {
+        wait_for_first: Some(Duration::from_secs(30)),
+        ..Setup::default()
+    })
+    .await;
+    let other = api.another_instance();
+    for (route, effect) in ROUTES {
+        let label = format!("failed-first-{effect}");
+        let order = json!({ "label": label, "sleep_ms": 500, "fail_first": true });
+        let call = || Call::new(route, &label, order.clone());
+        let (first, here, there) = tokio::join!(
+            api.send(call()),
+            async {
+                api.until_runs(&label, 1).await;
+                api.send(call()).await
+            },
+            async {
+                api.until_runs(&label, 1).await;
+                api.send_to(&other, call()).await
+            }
+        );
+        let first = first.unwrap();
+        assert_eq!((first.status, first.run()), (500, 1), "{route}: {first:?}");
+        let mut twins = [here.unwrap(), there.unwrap()];
+        twins.sort_by_key(Reply::replayed);
+        let [ran, replayed] = twins;
+        assert_eq!(
+            (ran.status, ran.replayed(), ran.run()),
+            (201, false, 2),
+            "{route}: {ran:?}"
+        );
+        assert_eq!(
+            (replayed.status, replayed.replayed(), replayed.run()),
+            (201, true, 2),
+            "{route}: {replayed:?}"
+        );
+        assert_eq!(api.seen.runs(&label), 2, "{route}");
+        assert_eq!(api.db.effects(effect, &label).await, 1, "{route}");
+    }
+}
+
 /// A key reused for another request is a 422, on the same route and on another: the handler does
 /// not run and nothing is replayed.
 async fn a_key_reused_for_another_request_is_422<B: Backend>() {
@@ -707,6 +841,9 @@ macro_rules! all_http_tests {
         http_tests!($backend:
             a_retry_after_the_client_gave_up_gets_one_effect,
             fifty_concurrent_requests_with_one_key_have_one_effect,
+            fifty_twins_that_wait_get_one_run_and_forty_nine_replays,
+            a_twin_that_waited_its_patience_gets_409,
+            twins_of_a_failed_first_request_run_it_again,
             a_key_reused_for_another_request_is_422,
             two_clients_with_one_key_get_two_effects,
             requests_without_a_usable_key_are_400,

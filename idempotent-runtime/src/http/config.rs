@@ -63,6 +63,8 @@ pub(crate) struct Config {
     pub(crate) retry_after: Duration,
     pub(crate) retention: Duration,
     pub(crate) store_patience: Duration,
+    /// How long a twin waits for the request in flight before it gets `409`; `None`: not at all.
+    pub(crate) wait_for_first: Option<Duration>,
     pub(crate) documentation: Option<Documentation>,
 }
 
@@ -84,6 +86,7 @@ impl Config {
             retry_after: Duration::from_secs(1),
             retention: DEFAULT_RETENTION,
             store_patience: DEFAULT_STORE_PATIENCE,
+            wait_for_first: None,
             documentation: None,
         }
     }

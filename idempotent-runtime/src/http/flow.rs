@@ -1,5 +1,6 @@
 //! What the layer does with one request, in order: read and check the key, fingerprint the
-//! request, keep twins out, then either replay, refuse, or run the handler and store its response.
+//! request, keep twins out (or let them wait for the first), then either replay, refuse, or run the
+//! handler and store its response.
 //!
 //! The handler runs in a task of its own, so that a client that goes away (its timeout, a dropped
 //! connection) does not cut the handler off half-way: the request is finished and its response
@@ -37,6 +38,11 @@ use crate::store::try_claim::HttpBackend;
 /// How long a leased route tries to store a response at least (longer if its lease is), keeping
 /// the call's lease alive meanwhile.
 const STORE_TRIES: Duration = Duration::from_secs(60);
+
+/// The first and the longest pause of a twin that waits for a request in flight on another
+/// instance, between two looks at its claim.
+const FIRST_PAUSE: Duration = Duration::from_millis(5);
+const LONGEST_PAUSE: Duration = Duration::from_millis(50);
 
 /// The name of the pending call a leased route records per request.
 const CALL_NAME: &str = "http";
@@ -80,11 +86,23 @@ where
         outcome = tracing::field::Empty,
     );
     let inbox = &shared.inbox;
-    let Some(entered) = inbox.in_flight.enter(
-        inbox.table().as_str(),
-        &config.consumer,
-        stored_key.as_bytes(),
-    ) else {
+    let waits_until = config
+        .wait_for_first
+        .map(|patience| Instant::now() + patience);
+    let (table, consumer) = (inbox.table().as_str(), &*config.consumer);
+    let entered = match waits_until {
+        None => inbox
+            .in_flight
+            .enter(table, consumer, stored_key.as_bytes()),
+        Some(until) => {
+            let entering =
+                inbox
+                    .in_flight
+                    .enter_waiting(table, consumer, stored_key.as_bytes(), until.into());
+            entering.instrument(span.clone()).await
+        }
+    };
+    let Some(entered) = entered else {
         span.in_scope(|| tracing::debug!("a request with this key is in flight here"));
         return Ok(reject(Rejection::InFlight {
             retry_after: config.retry_after,
@@ -116,6 +134,8 @@ where
         fingerprint,
         expires,
         answer: Some(answer),
+        waits_until,
+        pause: FIRST_PAUSE,
         _entered: entered,
     };
     tokio::spawn(run.run(inner, request).instrument(span));
@@ -135,8 +155,20 @@ struct Run<DB: HttpBackend> {
     expires: Option<HeaderValue>,
     /// Where the client's answer goes, until it is sent.
     answer: Option<oneshot::Sender<Response>>,
+    /// Until when it waits for a twin in flight elsewhere (`wait_for_first`), if it does.
+    waits_until: Option<Instant>,
+    /// How long it waits before it checks the twin's claim again.
+    pause: Duration,
     /// The key stays in flight until the run ends.
     _entered: Entered,
+}
+
+/// What a request found at its key: a handler to run, holding the key (its claimed transaction,
+/// its pending call), or the stored response to replay. (A twin in flight is a
+/// [`Rejection::InFlight`].)
+enum Found<T> {
+    Run(T),
+    Replay(Response),
 }
 
 /// How a run ended, besides its response: for the span.
@@ -189,6 +221,32 @@ impl<DB: HttpBackend> Run<DB> {
         &self.shared.config.consumer
     }
 
+    /// Waits before `found` is looked for again, if it is a twin in flight and the layer lets
+    /// twins wait (`wait_for_first`) and the time to wait is not over; otherwise returns it.
+    async fn unless_waiting<T>(
+        &mut self,
+        found: Result<Found<T>, Rejection>,
+    ) -> Option<Result<Found<T>, Rejection>> {
+        let Err(Rejection::InFlight { retry_after }) = found else {
+            return Some(found);
+        };
+        let left = self
+            .waits_until
+            .map(|until| until.saturating_duration_since(Instant::now()))
+            .filter(|left| !left.is_zero());
+        let client_gone = self.answer.as_ref().is_none_or(|answer| answer.is_closed());
+        let Some(left) = left.filter(|_| !client_gone) else {
+            if matches!(self.shared.config.mode, Mode::Lease(_)) {
+                let metrics = &self.inbox().metrics;
+                metrics.call(self.consumer(), crate::metrics::CallOutcome::InProgress);
+            }
+            return Some(Err(Rejection::InFlight { retry_after }));
+        };
+        tokio::time::sleep(self.pause.min(retry_after).min(left)).await;
+        self.pause = (self.pause * 2).min(LONGEST_PAUSE);
+        None
+    }
+
     /// A transactional route: claim without waiting, run the handler on the claimed transaction,
     /// and commit its effect with the stored response.
     async fn in_transaction<S>(
@@ -200,37 +258,15 @@ impl<DB: HttpBackend> Run<DB> {
         S: tower::Service<Request, Error = Infallible>,
         S::Response: IntoResponse,
     {
-        if DB::READ_FIRST
-            && let Some(replay) = self.replay(None).await?
-        {
-            return Ok((Outcome::Replayed, replay));
-        }
-        let claimed = self
-            .inbox()
-            .try_claim(self.consumer(), &self.key, &self.fingerprint, CALL_NAME)
-            .await
-            .map_err(Rejection::Inbox)?;
+        let claimed = loop {
+            let found = self.claim_in_transaction().await;
+            if let Some(found) = self.unless_waiting(found).await {
+                break found?;
+            }
+        };
         let claimed = match claimed {
-            TryClaimed::New(claimed) => claimed,
-            TryClaimed::InFlight => {
-                return Err(Rejection::InFlight {
-                    retry_after: self.shared.config.retry_after,
-                });
-            }
-            TryClaimed::CallPending(left) => {
-                // A leased route's request holds the key: the key inserted here rolled back.
-                tracing::debug!(retry_after = ?left, "a leased request holds the key");
-                return Err(Rejection::InFlight { retry_after: left });
-            }
-            TryClaimed::Committed(committed) => {
-                return match self.replay(Some(committed)).await? {
-                    Some(replay) => Ok((Outcome::Replayed, replay)),
-                    // Purged between the claim and the read: as good as in flight.
-                    None => Err(Rejection::InFlight {
-                        retry_after: self.shared.config.retry_after,
-                    }),
-                };
-            }
+            Found::Run(claimed) => claimed,
+            Found::Replay(replay) => return Ok((Outcome::Replayed, replay)),
         };
         tracing::debug!("claimed");
         let slot = ClaimedForHandler::new(claimed);
@@ -273,6 +309,38 @@ impl<DB: HttpBackend> Run<DB> {
                 Ok(self.transaction_ended(key_committed, &stored).await)
             }
             Err(error) => Err(Rejection::Inbox(error)),
+        }
+    }
+
+    /// A transactional route's claim of its key, without waiting.
+    async fn claim_in_transaction(&mut self) -> Result<Found<Claimed<DB>>, Rejection> {
+        if DB::READ_FIRST
+            && let Some(replay) = self.replay(None).await?
+        {
+            return Ok(Found::Replay(replay));
+        }
+        let claimed = self
+            .inbox()
+            .try_claim(self.consumer(), &self.key, &self.fingerprint, CALL_NAME)
+            .await
+            .map_err(Rejection::Inbox)?;
+        match claimed {
+            TryClaimed::New(claimed) => Ok(Found::Run(claimed)),
+            TryClaimed::InFlight => Err(Rejection::InFlight {
+                retry_after: self.shared.config.retry_after,
+            }),
+            TryClaimed::CallPending(left) => {
+                // A leased route's request holds the key: the key inserted here rolled back.
+                tracing::debug!(retry_after = ?left, "a leased request holds the key");
+                Err(Rejection::InFlight { retry_after: left })
+            }
+            TryClaimed::Committed(committed) => match self.replay(Some(committed)).await? {
+                Some(replay) => Ok(Found::Replay(replay)),
+                // Purged between the claim and the read: as good as in flight.
+                None => Err(Rejection::InFlight {
+                    retry_after: self.shared.config.retry_after,
+                }),
+            },
         }
     }
 
@@ -357,8 +425,42 @@ impl<DB: HttpBackend> Run<DB> {
         S: tower::Service<Request, Error = Infallible>,
         S::Response: IntoResponse,
     {
+        let held = loop {
+            let found = self.start_call(lease).await;
+            if let Some(found) = self.unless_waiting(found).await {
+                break found?;
+            }
+        };
+        let held = match held {
+            Found::Run(held) => held,
+            Found::Replay(replay) => return Ok((Outcome::Replayed, replay)),
+        };
+        let shared = self.shared.clone();
+        tracing::debug!(fence = held.fence(), "call pending");
+        let response = match inner.call(request).await {
+            Ok(response) => response.into_response(),
+            Err(never) => match never {},
+        };
+        let (mut head, body) = response.into_parts();
+        if !(shared.config.store_when)(head.status) {
+            self.release(held).await;
+            return Ok((Outcome::NotStored, Response::from_parts(head, body)));
+        }
+        let (stored, body) = match self.read_body(&mut head, body).await {
+            Ok(read) => read,
+            Err(rejection) => {
+                self.release(held).await;
+                return Err(rejection);
+            }
+        };
+        self.store_under_lease(&stored, held, lease, Response::from_parts(head, body))
+            .await
+    }
+
+    /// A leased route's pending call of its key, recorded without waiting.
+    async fn start_call(&mut self, lease: Duration) -> Result<Found<CallLease>, Rejection> {
         if let Some(replay) = self.replay(None).await? {
-            return Ok((Outcome::Replayed, replay));
+            return Ok(Found::Replay(replay));
         }
         let shared = self.shared.clone();
         let inbox = &shared.inbox;
@@ -369,9 +471,6 @@ impl<DB: HttpBackend> Run<DB> {
             .await
             .map_err(Rejection::Inbox)?;
         if let Some(retry_after) = left {
-            inbox
-                .metrics
-                .call(self.consumer(), crate::metrics::CallOutcome::InProgress);
             return Err(Rejection::InFlight { retry_after });
         }
         // On PostgreSQL the call is recorded under the key's advisory lock, which a transactional
@@ -395,14 +494,14 @@ impl<DB: HttpBackend> Run<DB> {
             // Completed records are this layer's inbox rows, not its calls: someone else's.
             Ok(Gated::Passed(CallStart::Completed(_))) => {
                 return match self.replay(None).await? {
-                    Some(replay) => Ok((Outcome::Replayed, replay)),
+                    Some(replay) => Ok(Found::Replay(replay)),
                     None => Err(Rejection::InFlight { retry_after: lease }),
                 };
             }
             Err(InboxError::CallInProgress { retry_after }) => {
                 // Its response may have been stored since the first read.
                 return match self.replay(None).await? {
-                    Some(replay) => Ok((Outcome::Replayed, replay)),
+                    Some(replay) => Ok(Found::Replay(replay)),
                     None => Err(Rejection::InFlight { retry_after }),
                 };
             }
@@ -412,35 +511,16 @@ impl<DB: HttpBackend> Run<DB> {
         // completion stores the response and deletes its pending call in one transaction, which
         // is how this call could be recorded anew. Read again before running the handler.
         match self.replay(None).await {
-            Ok(None) => {}
+            Ok(None) => Ok(Found::Run(held)),
             Ok(Some(replay)) => {
                 self.release(held).await;
-                return Ok((Outcome::Replayed, replay));
+                Ok(Found::Replay(replay))
             }
             Err(rejection) => {
                 self.release(held).await;
-                return Err(rejection);
+                Err(rejection)
             }
         }
-        tracing::debug!(fence = held.fence(), "call pending");
-        let response = match inner.call(request).await {
-            Ok(response) => response.into_response(),
-            Err(never) => match never {},
-        };
-        let (mut head, body) = response.into_parts();
-        if !(shared.config.store_when)(head.status) {
-            self.release(held).await;
-            return Ok((Outcome::NotStored, Response::from_parts(head, body)));
-        }
-        let (stored, body) = match self.read_body(&mut head, body).await {
-            Ok(read) => read,
-            Err(rejection) => {
-                self.release(held).await;
-                return Err(rejection);
-            }
-        };
-        self.store_under_lease(&stored, held, lease, Response::from_parts(head, body))
-            .await
     }
 
     /// Stores a leased route's response, trying again while the database refuses it for now,

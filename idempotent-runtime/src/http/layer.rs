@@ -168,6 +168,24 @@ impl<DB: HttpBackend> IdempotencyLayer<DB> {
         self.configure(|config| config.store_patience = patience.max(Duration::from_millis(1)))
     }
 
+    /// Lets a twin wait for the request in flight with its key, up to `patience`, and then answers
+    /// it as a retry is answered (the stored response's replay, or `422` if the twin's request is
+    /// another), instead of refusing it at once with `409`. A client that sends a request again
+    /// before the first has answered (its timeout was shorter than the handler, a user's second
+    /// click, a proxy's retry) then gets the answer rather than an error to handle.
+    ///
+    /// The twin follows the first request wherever it runs: on this instance it is woken as the
+    /// first ends; on another instance (its claim, or its pending call, in the database), it checks
+    /// again at growing intervals of up to 50 milliseconds. If the first ends without storing a
+    /// response (see [`store_when`](Self::store_when)), the twin runs the handler itself, as a
+    /// retry would. A twin still waiting after `patience` gets the `409` with `Retry-After`, as it
+    /// would have at once without this; so does one whose client went away meanwhile (it stops
+    /// waiting). By default twins do not wait: the IETF draft's answer is `409` at once. Choose a
+    /// patience that covers the handler's usual time and is shorter than the clients' timeouts.
+    pub fn wait_for_first(self, patience: Duration) -> Self {
+        self.configure(|config| config.wait_for_first = Some(patience))
+    }
+
     /// Names the documentation of the route's idempotency keys, as the IETF draft asks: the
     /// layer's problems about the key (`400` for a missing or unusable key, `409` for a key in
     /// use, `422` for a reused key) then have it as their `type` and in a
@@ -200,6 +218,7 @@ impl<DB: HttpBackend> fmt::Debug for IdempotencyLayer<DB> {
             .field("retry_after", &config.retry_after)
             .field("retention", &config.retention)
             .field("store_patience", &config.store_patience)
+            .field("wait_for_first", &config.wait_for_first)
             .field("documentation", &config.documentation)
             .finish_non_exhaustive()
     }

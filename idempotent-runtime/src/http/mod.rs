@@ -8,8 +8,9 @@
 //! - [`IdempotencyLayer::leased`]: the handler calls something else; the key is a pending call
 //!   with a lease ([`calls`](crate::calls)) until the response is stored.
 //!
-//! A retry gets the stored response (with [`REPLAYED`]), a twin in flight `409` at once, the key
-//! reused for another request `422`; the layer's own answers are [`Rejection`]s
+//! A retry gets the stored response (with [`REPLAYED`]), a twin in flight `409` at once (or, with
+//! [`IdempotencyLayer::wait_for_first`], the first's answer once it ends), the key reused for
+//! another request `422`; the layer's own answers are [`Rejection`]s
 //! (`application/problem+json`). What is stored is [`stored_by_default`], in the format
 //! [`stored`] describes.
 //!

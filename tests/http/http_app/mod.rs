@@ -86,6 +86,8 @@ pub struct Setup {
     pub store_patience: Option<Duration>,
     /// The layers' documentation URI, if set.
     pub documentation: Option<&'static str>,
+    /// The layers' `wait_for_first`, if set.
+    pub wait_for_first: Option<Duration>,
 }
 
 impl Default for Setup {
@@ -96,6 +98,7 @@ impl Default for Setup {
             connections: 16,
             store_patience: None,
             documentation: None,
+            wait_for_first: None,
         }
     }
 }
@@ -167,6 +170,10 @@ macro_rules! app_for {
                 let uri: axum::http::Uri = uri.parse().unwrap();
                 payments = payments.documentation(uri.clone());
                 emails = emails.documentation(uri);
+            }
+            if let Some(patience) = setup.wait_for_first {
+                payments = payments.wait_for_first(patience);
+                emails = emails.wait_for_first(patience);
             }
             Router::new()
                 .route("/payments", post(payments_handler).layer(payments))
