@@ -6,8 +6,9 @@ scripts/test runs side by side: one line per binary, `LANE NAME KIND DIR EXECUTA
   and NATS, or raise RabbitMQ's memory alarm), each with SQLite files of its own;
 - databases: every other test, on PostgreSQL, MariaDB, Galera, the PostgreSQL pair, PgBouncer and
   SQLite (chaos restarts the PostgreSQL the others use, so they stay in one lane, in order);
-- last: the tests that need both (chaos_outbox restarts PostgreSQL under a relay to RabbitMQ), run
-  once the other two lanes have ended;
+- last: the tests that need both (chaos_outbox restarts PostgreSQL under a relay to RabbitMQ;
+  otel_trace goes from PostgreSQL through RabbitMQ and NATS), run once the other two lanes have
+  ended;
 - ui: the trybuild cases, which scripts/test runs beside everything else.
 
 Usage: scripts/lanes.py BUILD_JSON
@@ -19,7 +20,7 @@ BROKERS = {
     "runner_rabbitmq", "runner_nats", "runner_kafka", "runner_sqs", "sqs_hostile", "runner_kill",
     "rabbitmq_delivery_tags", "outbox_publishers", "runner_weather", "dlq",
 }
-LAST = {"chaos_outbox"}
+LAST = {"chaos_outbox", "otel_trace"}
 UI = {"ui"}
 
 

@@ -46,6 +46,7 @@ mod table;
 #[cfg(feature = "testing")]
 #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
 pub mod testing;
+mod trace_context;
 mod transaction;
 
 #[doc(hidden)]

@@ -114,6 +114,9 @@ where
             }
             let (deliveries, messages): (Vec<D>, Vec<Message>) = taken.into_iter().unzip();
             let span = tracing::info_span!("batch", size = messages.len());
+            for message in &messages {
+                crate::trace_context::link_from(&span, |name| message.header(name));
+            }
             let outcomes = {
                 let batch = caught(|| {
                     tracing::Instrument::instrument(

@@ -62,6 +62,8 @@ where
         attempt,
         route = tracing::field::Empty,
     );
+    // A child of the span that sent it, if its headers carry one's trace context.
+    crate::trace_context::continue_from(&span, |name| message.header(name));
     let outcome = {
         let call = caught(|| tracing::Instrument::instrument(worker(message), span.clone()));
         tokio::pin!(call);

@@ -85,6 +85,13 @@ where
         key = %stored_key.digest(),
         outcome = tracing::field::Empty,
     );
+    // A child of the client's span, if the request carries its trace context.
+    crate::trace_context::continue_from(&span, |name| {
+        parts
+            .headers
+            .get(name)
+            .and_then(|value| value.to_str().ok())
+    });
     let inbox = &shared.inbox;
     let waits_until = config
         .wait_for_first

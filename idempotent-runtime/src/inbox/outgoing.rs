@@ -162,7 +162,9 @@ impl Outbox {
     }
 
     /// Queues `message`; returns the id it will carry (its own, or the derived one).
-    pub fn send(&mut self, message: OutgoingMessage) -> String {
+    pub fn send(&mut self, mut message: OutgoingMessage) -> String {
+        // With `otel`, the current span's trace context goes along, for the consumer's span.
+        crate::trace_context::inject_current(&mut message.headers);
         let id = match &message.id {
             Some(id) => id.clone(),
             None => Self::derived_id(&self.origin, &self.key, self.queued.len()),
