@@ -46,6 +46,17 @@ mod table;
 #[cfg(feature = "testing")]
 #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
 pub mod testing;
+// Continued by the runners and the HTTP layer, each behind its feature.
+#[cfg_attr(
+    not(any(
+        feature = "http",
+        feature = "rabbitmq",
+        feature = "nats",
+        feature = "kafka",
+        feature = "sqs"
+    )),
+    allow(dead_code)
+)]
 mod trace_context;
 mod transaction;
 
