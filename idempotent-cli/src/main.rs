@@ -11,10 +11,12 @@
 //! idempotent --url … forget --consumer orders --key order-7 --reason "…"
 //! idempotent --url … audit [--consumer orders]           messages forgotten on purpose
 //! idempotent --url … purge --retention 14d [--consumer-retention billing=30d] [--dry-run]
-//! idempotent --url … outbox stats                        outgoing messages pending, sent, parked
+//! idempotent --url … outbox stats                        outgoing messages pending, sent, parked, skipped
 //! idempotent --url … outbox parked [--limit 100] [--after ROW]
+//! idempotent --url … outbox held [--limit 100] [--after ROW]   keys held by a parked message
 //! idempotent --url … outbox show --row 42 | --message-id ID
 //! idempotent --url … outbox retry --row 42               publish a parked message again
+//! idempotent --url … outbox skip --row 42                give a parked message up: never published
 //! idempotent dlq --sqs QUEUE_URL list [--reason poison] [--older-than 1h] [--limit 50]
 //! idempotent dlq --sqs QUEUE_URL show --message-id ID    a dead letter's headers and payload
 //! idempotent dlq --sqs QUEUE_URL redrive [--reason …] [--older-than …] [--dry-run] [--consumer C --url …]
@@ -25,8 +27,8 @@
 //!
 //! Tables for people by default, `--json` for scripts. Exit status: 0, 1 on an error (a wrong
 //! command line too), 2 when the message to inspect or forget is not in the inbox (or the outgoing
-//! message to show or retry is not in the outbox, or not parked, or the dead letter to show is not
-//! in the dead-letter queue).
+//! message to show, retry or skip is not in the outbox, or not parked, or the dead letter to show is
+//! not in the dead-letter queue).
 //!
 //! `dlq` needs no database: it reads the dead-letter queue that an SQS queue's redrive policy names
 //! (`--sqs`, or the dead-letter queue itself with `--sqs-dlq`), with the credentials and region of
@@ -196,7 +198,8 @@ enum Command {
         feature = "kafka"
     ))]
     Dlq(Box<dlq::Queue>),
-    /// The transactional outbox: its outgoing messages, the parked ones, and retrying them.
+    /// The transactional outbox: its outgoing messages, the parked ones and the ordering keys they
+    /// hold, and retrying or skipping them.
     Outbox {
         #[command(subcommand)]
         command: OutboxCommand,
@@ -229,9 +232,27 @@ enum OutboxCommand {
         #[arg(long)]
         message_id: Option<String>,
     },
+    /// The ordering keys whose first message not yet sent is parked, with that message and how
+    /// many wait behind it (relays with `parked_holds_key` publish none of them until the parked
+    /// message is retried or skipped).
+    Held {
+        /// Only keys whose parked message's row is after this row.
+        #[arg(long)]
+        after: Option<i64>,
+        /// At most this many (at least 1).
+        #[arg(long, default_value_t = 100, value_parser = args::limit)]
+        limit: usize,
+    },
     /// Make a parked message pending again, so that the relays publish it (once the cause is
     /// fixed: a queue bound, a stream created).
     Retry {
+        /// The row, as `parked` prints it.
+        #[arg(long)]
+        row: i64,
+    },
+    /// Give a parked message up: it is never published, is kept as skipped for the outbox's
+    /// retention, and its ordering key goes on with its next message.
+    Skip {
         /// The row, as `parked` prints it.
         #[arg(long)]
         row: i64,
@@ -580,6 +601,15 @@ async fn outbox<DB: Backend>(
                 )));
             }
             out.retried(row);
+        }
+        OutboxCommand::Held { after, limit } => out.held(&inbox.held_keys(after, limit).await?),
+        OutboxCommand::Skip { row } => {
+            if !inbox.skip_parked(row).await? {
+                return Err(Failure::NotFound(format!(
+                    "row {row} is not a parked outgoing message: nothing skipped"
+                )));
+            }
+            out.skipped(row);
         }
     }
     Ok(())

@@ -2,7 +2,7 @@
 
 use std::time::SystemTime;
 
-use idempotent::outbox::{OutboxRecord, OutboxStats};
+use idempotent::outbox::{HeldKey, OutboxRecord, OutboxStats};
 use idempotent::{
     AuditEntry, ConsumerStats, Expired, MessageKey, Migration, Page, PurgeReport, Record,
     StuckCall, TableName,
@@ -402,54 +402,34 @@ impl Output {
                 "oldest_pending": time(stats.oldest_pending),
                 "sent": stats.sent,
                 "parked": stats.parked,
+                "skipped": stats.skipped,
             }));
         }
         table(
-            &["PENDING", "OLDEST PENDING", "SENT", "PARKED"],
+            &["PENDING", "OLDEST PENDING", "SENT", "PARKED", "SKIPPED"],
             &[vec![
                 stats.pending.to_string(),
                 text(stats.oldest_pending),
                 stats.sent.to_string(),
                 stats.parked.to_string(),
+                stats.skipped.to_string(),
             ]],
         );
     }
 
     pub(crate) fn outgoing(&self, records: &[OutboxRecord]) {
         if self.json {
-            let records: Vec<Value> = records
-                .iter()
-                .map(|r| {
-                    json!({
-                        "row": r.row,
-                        "message_id": r.message_id,
-                        "exchange": r.destination.exchange,
-                        "routing_key": r.destination.routing_key,
-                        "origin": r.origin,
-                        "ordering_key": r.ordering_key,
-                        "state": r.state.as_str(),
-                        "attempts": r.attempts,
-                        "created_at": rfc3339(r.created_at),
-                        "sent_at": time(r.sent_at),
-                        "last_error": r.last_error,
-                        "payload_bytes": r.payload_len,
-                    })
-                })
-                .collect();
+            let records: Vec<Value> = records.iter().map(outgoing_json).collect();
             return print_json(json!({ "outgoing": records }));
         }
         let rows: Vec<Vec<String>> = records
             .iter()
             .map(|r| {
-                let destination = match r.destination.exchange.as_str() {
-                    "" => r.destination.routing_key.clone(),
-                    exchange => format!("{exchange} / {}", r.destination.routing_key),
-                };
                 vec![
                     r.row.to_string(),
                     r.state.as_str().to_owned(),
                     r.message_id.clone(),
-                    destination,
+                    destination(r),
                     r.origin.clone(),
                     r.ordering_key.clone().unwrap_or_else(|| "-".into()),
                     r.attempts.to_string(),
@@ -474,11 +454,91 @@ impl Output {
         );
     }
 
+    pub(crate) fn held(&self, keys: &[HeldKey]) {
+        if self.json {
+            let keys: Vec<Value> = keys
+                .iter()
+                .map(|k| {
+                    json!({
+                        "ordering_key": k.ordering_key,
+                        "parked": outgoing_json(&k.parked),
+                        "waiting": k.waiting,
+                        "oldest_waiting": time(k.oldest_waiting),
+                    })
+                })
+                .collect();
+            return print_json(json!({ "held": keys }));
+        }
+        let rows: Vec<Vec<String>> = keys
+            .iter()
+            .map(|k| {
+                vec![
+                    k.ordering_key.clone(),
+                    k.parked.row.to_string(),
+                    k.parked.message_id.clone(),
+                    destination(&k.parked),
+                    k.waiting.to_string(),
+                    text(k.oldest_waiting),
+                    k.parked.last_error.clone().unwrap_or_else(|| "-".into()),
+                ]
+            })
+            .collect();
+        table(
+            &[
+                "ORDERING KEY",
+                "PARKED ROW",
+                "MESSAGE ID",
+                "DESTINATION",
+                "WAITING",
+                "OLDEST WAITING",
+                "LAST ERROR",
+            ],
+            &rows,
+        );
+    }
+
     pub(crate) fn retried(&self, row: i64) {
         if self.json {
             print_json(json!({ "row": row, "retried": true }));
         } else {
             println!("row {row} is pending again: the next relay batch publishes it");
         }
+    }
+
+    pub(crate) fn skipped(&self, row: i64) {
+        if self.json {
+            print_json(json!({ "row": row, "skipped": true }));
+        } else {
+            println!(
+                "row {row} is skipped: it will not be published, and its ordering key goes on"
+            );
+        }
+    }
+}
+
+/// An outgoing message as `--json` prints it.
+fn outgoing_json(r: &OutboxRecord) -> Value {
+    json!({
+        "row": r.row,
+        "message_id": r.message_id,
+        "exchange": r.destination.exchange,
+        "routing_key": r.destination.routing_key,
+        "origin": r.origin,
+        "ordering_key": r.ordering_key,
+        "state": r.state.as_str(),
+        "attempts": r.attempts,
+        "created_at": rfc3339(r.created_at),
+        "sent_at": time(r.sent_at),
+        "last_error": r.last_error,
+        "payload_bytes": r.payload_len,
+    })
+}
+
+/// Where an outgoing message goes, as a person reads it: `exchange / routing key`, or the queue or
+/// subject alone.
+fn destination(r: &OutboxRecord) -> String {
+    match r.destination.exchange.as_str() {
+        "" => r.destination.routing_key.clone(),
+        exchange => format!("{exchange} / {}", r.destination.routing_key),
     }
 }

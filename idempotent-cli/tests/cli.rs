@@ -274,6 +274,7 @@ async fn exercise<DB: Backend>(url: &str, inbox: Inbox<DB>) {
     );
 
     outbox(url, &inbox).await;
+    outbox_held_and_skip(url, &inbox).await;
 }
 
 /// `forget` of a key a handler holds (claimed, not committed) answers at once, on every backend,
@@ -354,6 +355,83 @@ async fn outbox<DB: Backend>(url: &str, inbox: &Inbox<DB>) {
     let missing = idempotent(url, &["outbox", "show", "--row", "999999"]);
     assert_eq!(missing.status.code(), Some(2));
     assert_eq!(json(url, &["outbox", "stats"])["pending"], 1);
+}
+
+/// A broker that refuses the messages of one ordering key and takes the rest.
+struct RefusingKey(&'static str);
+
+impl Publisher for RefusingKey {
+    async fn publish(&self, publication: &Publication) -> Result<(), PublishError> {
+        if publication.ordering_key.as_deref() == Some(self.0) {
+            return Err(PublishError::rejected("no queue bound"));
+        }
+        Ok(())
+    }
+}
+
+/// `outbox held` lists the key a parked message holds (relays with `parked_holds_key`), with the
+/// message and what waits behind it; `outbox skip` gives the message up (shown as skipped, counted
+/// by `stats`), after which the key goes on; skipping a row that is not parked exits with 2 and
+/// says so, as `retry` does.
+async fn outbox_held_and_skip<DB: Backend>(url: &str, inbox: &Inbox<DB>) {
+    let mut claimed = inbox.claim("shipping", "order-9").await.unwrap().unwrap();
+    for event in ["order.packed", "order.shipped"] {
+        claimed.outbox().send(
+            OutgoingMessage::new(Destination::exchange("shop", event), b"{}".to_vec())
+                .with_ordering_key("order-9"),
+        );
+    }
+    claimed.commit().await.unwrap();
+    let holding = RelayOptions::default()
+        .attempts(1, Duration::from_secs(60))
+        .parked_holds_key(true);
+    let broker = RefusingKey("order-9");
+    let report = inbox.relay_once(&broker, &holding).await.unwrap();
+    assert_eq!(report.parked, 1, "{report:?}");
+    let report = inbox.relay_once(&broker, &holding).await.unwrap();
+    assert_eq!(report.taken, 0, "the held key's second message was taken");
+
+    let held = json(url, &["outbox", "held"]);
+    let keys = held["held"].as_array().unwrap();
+    assert_eq!(keys.len(), 1, "{held}");
+    assert_eq!(keys[0]["ordering_key"], "order-9");
+    assert_eq!(keys[0]["parked"]["routing_key"], "order.packed");
+    assert_eq!(keys[0]["parked"]["state"], "parked");
+    assert_eq!(keys[0]["waiting"], 1);
+    assert!(keys[0]["oldest_waiting"].is_string(), "{held}");
+    let row = keys[0]["parked"]["row"].as_i64().unwrap().to_string();
+    let table = idempotent(url, &["outbox", "held"]);
+    let table = String::from_utf8_lossy(&table.stdout).to_string();
+    assert!(
+        table.starts_with("ORDERING KEY") && table.contains("order-9"),
+        "{table}"
+    );
+    assert!(table.contains("shop / order.packed"), "{table}");
+
+    let not_parked = "is not a parked outgoing message: nothing skipped";
+    let missing = idempotent(url, &["outbox", "skip", "--row", "999999"]);
+    let said = String::from_utf8_lossy(&missing.stderr);
+    assert_eq!(missing.status.code(), Some(2), "{said}");
+    assert!(said.contains(not_parked), "{said}");
+    let skipped = json(url, &["outbox", "skip", "--row", &row]);
+    assert_eq!(skipped["skipped"], true);
+    let again = idempotent(url, &["outbox", "skip", "--row", &row]);
+    let said = String::from_utf8_lossy(&again.stderr);
+    assert_eq!(again.status.code(), Some(2), "skipped twice: {said}");
+    assert!(said.contains(not_parked), "{said}");
+    let retried = idempotent(url, &["outbox", "retry", "--row", &row]);
+    assert_eq!(retried.status.code(), Some(2), "a skipped row retried");
+
+    let shown = json(url, &["outbox", "show", "--row", &row]);
+    assert_eq!(shown["outgoing"][0]["state"], "skipped");
+    assert!(shown["outgoing"][0]["sent_at"].is_string(), "{shown}");
+    assert_eq!(json(url, &["outbox", "stats"])["skipped"], 1);
+    let stats = idempotent(url, &["outbox", "stats"]);
+    assert!(String::from_utf8_lossy(&stats.stdout).contains("SKIPPED"));
+    assert_eq!(json(url, &["outbox", "held"])["held"], Value::Array(vec![]));
+    // The key goes on: its second message is refused now, not held.
+    let report = inbox.relay_once(&broker, &holding).await.unwrap();
+    assert_eq!((report.taken, report.parked), (1, 1), "{report:?}");
 }
 
 #[tokio::test]
@@ -484,6 +562,7 @@ fn a_limit_of_zero_is_refused_by_every_command() {
         &["stuck"],
         &["audit"],
         &["outbox", "parked"],
+        &["outbox", "held"],
     ] {
         refused(&url, &[command, &["--limit", "0"]].concat(), "at least 1");
     }

@@ -57,8 +57,8 @@ impl Retention {
     /// How long sent outgoing messages are kept by default: 24 hours.
     pub const DEFAULT_OUTBOX: Duration = Duration::from_secs(24 * 60 * 60);
 
-    /// Returns how long the [outbox](crate::outbox)'s sent messages are kept after they were sent
-    /// (default [`DEFAULT_OUTBOX`](Self::DEFAULT_OUTBOX);
+    /// Returns how long the [outbox](crate::outbox)'s sent messages are kept after they were sent,
+    /// and skipped ones after they were skipped (default [`DEFAULT_OUTBOX`](Self::DEFAULT_OUTBOX);
     /// [`Inbox::with_outbox_retention`](crate::Inbox::with_outbox_retention) changes it). Pending
     /// and parked messages are never purged.
     pub fn outbox(&self) -> Duration {
@@ -107,7 +107,7 @@ pub struct PurgeReport {
     pub calls_deleted: u64,
     /// Audit rows deleted.
     pub audit_deleted: u64,
-    /// Sent outgoing messages deleted (see [`Retention::outbox`]).
+    /// Sent (and skipped) outgoing messages deleted (see [`Retention::outbox`]).
     pub outbox_deleted: u64,
     /// Batches (transactions) it took.
     pub batches: u64,
@@ -334,7 +334,7 @@ async fn purge_locked<DB: Backend>(
                 .await?;
         }
     }
-    // The outbox's sent messages, then the ordering keys with nothing left to send.
+    // The outbox's sent and skipped messages, then the ordering keys with nothing left to send.
     let batches = Batches {
         cutoff: cutoff(now, millis(scope.retention.outbox)),
         consumers: &[],
@@ -344,6 +344,7 @@ async fn purge_locked<DB: Backend>(
     let outbox = &scope.statements.outbox;
     for (statement, kind) in [
         (&outbox.purge_sent, Purged::Outbox),
+        (&outbox.purge_skipped, Purged::Outbox),
         (&outbox.purge_keys, Purged::OutboxKeys),
     ] {
         batches

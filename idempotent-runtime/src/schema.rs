@@ -13,6 +13,7 @@
 //! | 1 | the inbox table and `<table>_calls` |
 //! | 2 | `<table>_calls.updated_at` (the retention of call records; calls recorded before the upgrade count from the upgrade), `<table>_horizons` (each consumer's purge horizon), `<table>_audit` (messages forgotten on purpose), `<table>_schema` |
 //! | 3 | `<table>_outbox` (the [outbox](crate::outbox)'s outgoing messages) and `<table>_outbox_keys` (the last number given to each ordering key) |
+//! | 4 | `<table>_outbox_skipped`, the index the purge of skipped outgoing messages reads (PostgreSQL and SQLite; MySQL's `(state, sent_at)` index of version 3 serves it) |
 //!
 //! ## Where the tables are
 //!
@@ -38,7 +39,7 @@ use crate::store::{Backend, Statements, database_error};
 use crate::table::TableName;
 
 /// The schema version this library creates and upgrades to.
-pub const CURRENT_VERSION: u32 = 3;
+pub const CURRENT_VERSION: u32 = 4;
 
 /// What a migration did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

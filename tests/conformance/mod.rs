@@ -16,12 +16,14 @@ mod batch;
 mod lifecycle;
 mod operations;
 mod outbox;
+mod outbox_held_keys;
 mod outbox_isolation;
 pub use adversarial::*;
 pub use batch::*;
 pub use lifecycle::*;
 pub use operations::*;
 pub use outbox::*;
+pub use outbox_held_keys::*;
 pub use outbox_isolation::*;
 
 pub async fn duplicate_delivery_runs_the_body_once(h: impl Harness) {
@@ -473,6 +475,7 @@ macro_rules! conformance_tests {
             ordering_per_key_holds_under_concurrent_producers
             keyed_writers_racing_relays_never_deadlock
             a_second_writer_of_an_ordering_key_waits_for_the_first_commit
+            two_relays_never_let_a_held_keys_later_message_out
         );
     };
     (@unshared_locks $new:expr) => {
@@ -534,6 +537,8 @@ macro_rules! conformance_tests {
             handler_with_an_outbox_dropped_at_every_await_point_writes_its_rows_once
             relay_batch_dropped_at_every_await_point_loses_no_row
             poison_is_parked_never_blocks_the_rest_and_is_retryable_by_hand
+            a_parked_message_holds_its_key_and_goes_out_first_once_retried
+            a_skipped_message_lets_its_key_go_on_and_is_purged_as_sent
             unconfirmed_messages_stay_pending_without_counting_an_attempt
             keys_in_back_off_take_no_slots_from_ready_keys
             sent_outgoing_rows_are_purged_after_the_outbox_retention

@@ -37,7 +37,7 @@ mod relay;
 use std::time::Duration;
 
 pub use crate::inbox::outgoing::{Destination, MAX_TEXT_LEN, Outbox, OutgoingMessage};
-pub use operations::{OutboxRecord, OutboxState, OutboxStats};
+pub use operations::{HeldKey, OutboxRecord, OutboxState, OutboxStats};
 pub use publisher::{Publication, PublishError, Publisher};
 pub use relay::{Relay, RelayOptions, RelayReport, RelayStats};
 

@@ -1,6 +1,7 @@
 //! What operators do with an outbox: count what it holds, look at parked messages (and any
-//! message by its id), and send a parked message again once the cause is fixed. Each is one
-//! statement outside any handler's transaction; the CLI's `outbox` commands call these.
+//! message by its id) and the ordering keys they hold, and send a parked message again once the
+//! cause is fixed, or give it up. Each is one statement outside any handler's transaction; the
+//! CLI's `outbox` commands call these.
 
 use std::time::SystemTime;
 
@@ -9,7 +10,7 @@ use crate::error::{InboxError, Stage};
 use crate::inbox::Inbox;
 use crate::inbox::outgoing::Destination;
 use crate::session::Session;
-use crate::store::{Backend, PARKED, PENDING, SENT, ShownRow, database_error};
+use crate::store::{Backend, HeldRow, PARKED, PENDING, SENT, SKIPPED, ShownRow, database_error};
 
 /// Where an outgoing message stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -20,8 +21,12 @@ pub enum OutboxState {
     /// Published, and confirmed by the broker; kept for the outbox's retention, then purged.
     Sent,
     /// Refused by the broker on every attempt: left for a person, who can
-    /// [retry](Inbox::retry_parked) it. Not purged.
+    /// [retry](Inbox::retry_parked) or [skip](Inbox::skip_parked) it. Not purged.
     Parked,
+    /// Parked, then given up by a person ([`Inbox::skip_parked`]): never published, done as a
+    /// sent message is (its ordering key's later messages go on); kept for the outbox's retention
+    /// after it was skipped, then purged.
+    Skipped,
 }
 
 impl OutboxState {
@@ -29,16 +34,18 @@ impl OutboxState {
         match stored {
             PENDING => OutboxState::Pending,
             SENT => OutboxState::Sent,
+            SKIPPED => OutboxState::Skipped,
             _ => OutboxState::Parked,
         }
     }
 
-    /// Returns the state's name: `pending`, `sent` or `parked`.
+    /// Returns the state's name: `pending`, `sent`, `parked` or `skipped`.
     pub fn as_str(self) -> &'static str {
         match self {
             OutboxState::Pending => "pending",
             OutboxState::Sent => "sent",
             OutboxState::Parked => "parked",
+            OutboxState::Skipped => "skipped",
         }
     }
 }
@@ -47,7 +54,7 @@ impl OutboxState {
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct OutboxRecord {
-    /// Its row's number: what [`Inbox::retry_parked`] and the CLI take.
+    /// Its row's number: what [`Inbox::retry_parked`], [`Inbox::skip_parked`] and the CLI take.
     pub row: i64,
     /// Its message id.
     pub message_id: String,
@@ -64,7 +71,7 @@ pub struct OutboxRecord {
     pub attempts: u32,
     /// When it was written (the database's clock).
     pub created_at: SystemTime,
-    /// When a relay marked it sent.
+    /// When a relay marked it sent (or a person skipped it).
     pub sent_at: Option<SystemTime>,
     /// Why the broker refused it last.
     pub last_error: Option<String>,
@@ -90,6 +97,33 @@ impl OutboxRecord {
     }
 }
 
+/// An ordering key held by its parked message: see [`Inbox::held_keys`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct HeldKey {
+    /// The ordering key.
+    pub ordering_key: String,
+    /// Its parked message, the key's first message not yet sent: what to
+    /// [retry](Inbox::retry_parked) or [skip](Inbox::skip_parked).
+    pub parked: OutboxRecord,
+    /// How many of the key's messages wait behind it (pending, or parked too).
+    pub waiting: u64,
+    /// When the oldest of them was written.
+    pub oldest_waiting: Option<SystemTime>,
+}
+
+impl HeldKey {
+    fn of(held: HeldRow) -> Self {
+        let parked = OutboxRecord::of(held.parked);
+        Self {
+            ordering_key: parked.ordering_key.clone().unwrap_or_default(),
+            parked,
+            waiting: held.waiting.max(0) as u64,
+            oldest_waiting: held.oldest_waiting.map(from_ms),
+        }
+    }
+}
+
 /// What an outbox holds: see [`Inbox::outbox_stats`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
@@ -102,6 +136,8 @@ pub struct OutboxStats {
     pub sent: u64,
     /// Messages parked.
     pub parked: u64,
+    /// Messages parked, then skipped, and still kept (for the outbox's retention).
+    pub skipped: u64,
 }
 
 impl<DB: Backend> Inbox<DB> {
@@ -122,6 +158,7 @@ impl<DB: Backend> Inbox<DB> {
                 }
                 SENT => stats.sent = rows,
                 PARKED => stats.parked = rows,
+                SKIPPED => stats.skipped = rows,
                 _ => {}
             }
         }
@@ -175,7 +212,9 @@ impl<DB: Backend> Inbox<DB> {
     /// Makes the parked message of row `row` pending again, due now, with its attempts counted
     /// from zero: the next relay batch publishes it. `false` when no parked message has that row.
     /// A message with an ordering key is then published after later messages of its key that
-    /// went out while it was parked.
+    /// went out while it was parked, unless the relays hold parked messages' keys
+    /// ([`RelayOptions::parked_holds_key`](super::RelayOptions::parked_holds_key)): then it goes
+    /// out first, and the messages that waited behind it after it, in order.
     pub async fn retry_parked(&self, row: i64) -> Result<bool, InboxError> {
         let mut session = self.inspecting().await?;
         let retried = session
@@ -186,6 +225,50 @@ impl<DB: Backend> Inbox<DB> {
             tracing::info!(table = %self.table(), row, "a parked outgoing message is pending again");
         }
         Ok(retried)
+    }
+
+    /// Gives up the parked message of row `row`: it is never published, and is
+    /// [skipped](OutboxState::Skipped), done as a sent message is (purged after the outbox's
+    /// retention, counted from now). An ordering key it held
+    /// ([`RelayOptions::parked_holds_key`](super::RelayOptions::parked_holds_key)) goes on with
+    /// its next message. `false` when no parked message has that row.
+    pub async fn skip_parked(&self, row: i64) -> Result<bool, InboxError> {
+        let mut session = self.inspecting().await?;
+        let skipped = session
+            .try_step(|conn| DB::outbox_skip(conn, &self.config.statements.outbox, row))
+            .await
+            .map_err(database_error(Stage::Inspect))?;
+        if skipped {
+            tracing::warn!(table = %self.table(), row, "a parked outgoing message was skipped: it will not be published");
+        }
+        Ok(skipped)
+    }
+
+    /// Returns the ordering keys whose first message not yet sent is parked, with that message
+    /// and what waits behind it, ordered by the parked message's row: those after row `after`
+    /// (`None`: from the first), at most `limit`. These are the keys that relays with
+    /// [`RelayOptions::parked_holds_key`](super::RelayOptions::parked_holds_key) hold until the
+    /// message is [retried](Self::retry_parked) or [skipped](Self::skip_parked) (relays without
+    /// it publish what waits behind). Page on with the last key's `parked.row`.
+    pub async fn held_keys(
+        &self,
+        after: Option<i64>,
+        limit: usize,
+    ) -> Result<Vec<HeldKey>, InboxError> {
+        let mut session = self.inspecting().await?;
+        let limit = i64::try_from(limit.max(1)).unwrap_or(i64::MAX);
+        let rows = session
+            .try_step(|conn| {
+                DB::outbox_held(
+                    conn,
+                    &self.config.statements.outbox,
+                    after.unwrap_or(0),
+                    limit,
+                )
+            })
+            .await
+            .map_err(database_error(Stage::Inspect))?;
+        Ok(rows.into_iter().map(HeldKey::of).collect())
     }
 
     /// A connection for an operator's statement.

@@ -22,7 +22,7 @@ use crate::inbox::outgoing::{Destination, decode_headers};
 use crate::inbox::{Inbox, commit};
 use crate::metrics::OutboxMetrics;
 use crate::session::Session;
-use crate::store::{Backend, Failure, PARKED, PENDING, database_error};
+use crate::store::{Backend, Failure, PARKED, PENDING, ParkedRows, database_error};
 use crate::transaction::{BeginError, InboxTransaction};
 
 /// How a relay works; see [`Inbox::spawn_relay`].
@@ -59,6 +59,12 @@ pub struct RelayOptions {
     pub listen: bool,
     /// How often the relay counts the backlog for the metrics (default 5 s).
     pub backlog_every: Duration,
+    /// Whether a parked message holds its ordering key (default off): the key's later messages
+    /// wait until an operator [retries](crate::Inbox::retry_parked) or
+    /// [skips](crate::Inbox::skip_parked) it, while other keys go on. Off, the key moves on to its
+    /// next message. Set it the same on every relay of the outbox: a relay without it publishes
+    /// the messages the others hold back. See [`RelayOptions::parked_holds_key`].
+    pub parked_holds_key: bool,
 }
 
 impl Default for RelayOptions {
@@ -74,6 +80,7 @@ impl Default for RelayOptions {
             workers: 1,
             listen: true,
             backlog_every: Duration::from_secs(5),
+            parked_holds_key: false,
         }
     }
 }
@@ -124,6 +131,34 @@ impl RelayOptions {
         Self {
             publish_timeout: timeout,
             ..self
+        }
+    }
+
+    /// Returns these options with a parked message holding its ordering key (`true`), or letting
+    /// the key's later messages go out (`false`, the default).
+    ///
+    /// Holding, a message the broker refused `max_attempts` times stays its key's next message:
+    /// the key's later messages are not published (other keys go on) until an operator
+    /// [retries](crate::Inbox::retry_parked) it, which publishes it before them, or
+    /// [skips](crate::Inbox::skip_parked) it, which gives it up and lets them go.
+    /// [`Inbox::held_keys`](crate::Inbox::held_keys) (`idempotent outbox held`) lists the keys held
+    /// so. Messages without an ordering key are not affected.
+    ///
+    /// Set it on **every relay of the outbox** (every instance, and every relay each runs): a
+    /// relay without it takes a held key's next message, as it would without the option anywhere.
+    pub fn parked_holds_key(self, holds: bool) -> Self {
+        Self {
+            parked_holds_key: holds,
+            ..self
+        }
+    }
+
+    /// What parked rows do to their keys under these options.
+    fn parked_rows(&self) -> ParkedRows {
+        if self.parked_holds_key {
+            ParkedRows::HoldTheKey
+        } else {
+            ParkedRows::LetTheKeyGo
         }
     }
 
@@ -446,7 +481,13 @@ async fn run_batch<DB: Backend, P: Publisher>(
         .map_err(|error| match error {
             BeginError::Acquire(error) | BeginError::Begin(error) => failed()(error),
         })?;
-    let rows = match DB::outbox_take(tx.connection(), statements, options.batch_size).await {
+    let taken = DB::outbox_take(
+        tx.connection(),
+        statements,
+        options.batch_size,
+        options.parked_rows(),
+    );
+    let rows = match taken.await {
         Ok(rows) => rows,
         Err(error) => {
             let _ = tx.rollback().await;

@@ -44,7 +44,8 @@ pub(crate) use dialect::{Dialect, OutboxDialect};
 pub(crate) use driver::{Ending, RolledBack, Store};
 pub(crate) use inbox::{InboxQueries, InboxStatements, InspectRow, ListRow, StoredRow};
 pub(crate) use outbox::{
-    Failure, NewRow, OutboxQueries, OutboxStatements, PARKED, PENDING, SENT, ShownRow,
+    Failure, HeldRow, NewRow, OutboxQueries, OutboxStatements, PARKED, PENDING, ParkedRows, SENT,
+    SKIPPED, ShownRow,
 };
 pub(crate) use purge::{PurgeLock, PurgeQueries, PurgeScope, PurgeSql, PurgeStatements};
 pub(crate) use query::{

@@ -3,7 +3,8 @@
 //! as the inbox's own statements are, and run by one generic implementation ([`OutboxQueries`]).
 //!
 //! A row is `pending` (state 0) until a relay saw the broker confirm it, then `sent` (1), or
-//! `parked` (2) after the broker refused it too often. A message with an ordering key also gets
+//! `parked` (2) after the broker refused it too often; an operator makes a parked row pending
+//! again, or gives it up: `skipped` (3), done as a sent row is, never published. A message with an ordering key also gets
 //! the key's next number (`ordering_seq`) from `<table>_outbox_keys`, whose row for the key the
 //! writing transaction holds locked until it ends: two transactions writing messages of one key
 //! take turns, so the numbers follow their commits.
@@ -52,6 +53,18 @@ pub struct ShownRow {
     pub(crate) payload_len: i64,
 }
 
+/// A parked row that holds its ordering key (the key's first row not yet done with), and what
+/// waits behind it.
+#[derive(Debug, sqlx::FromRow)]
+pub struct HeldRow {
+    #[sqlx(flatten)]
+    pub(crate) parked: ShownRow,
+    /// The key's rows after it not yet done with.
+    pub(crate) waiting: i64,
+    /// When the oldest of them was written.
+    pub(crate) oldest_waiting: Option<i64>,
+}
+
 /// Per state: `(state, rows, oldest created_at)`.
 pub(crate) type StateCount = (i64, i64, Option<i64>);
 
@@ -71,6 +84,24 @@ pub struct NewRow<'a> {
 pub(crate) const PENDING: i64 = 0;
 pub(crate) const SENT: i64 = 1;
 pub(crate) const PARKED: i64 = 2;
+pub(crate) const SKIPPED: i64 = 3;
+
+/// The condition on a row's `state` (the column as `column` names it) that it is not done with:
+/// pending or parked, neither sent nor skipped. Written as two inequalities so that SQLite's
+/// partial index on the keys' rows (`WHERE state <> 1 AND ordering_key IS NOT NULL`) serves it.
+fn unsent(column: &str) -> String {
+    format!("{column} <> {SENT} AND {column} <> {SKIPPED}")
+}
+
+/// What a parked row does to the later rows of its ordering key, in the relays' eyes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ParkedRows {
+    /// The key moves on: its next pending row is its head.
+    LetTheKeyGo,
+    /// The parked row stays the key's head, so the key is not taken until an operator retries or
+    /// skips it.
+    HoldTheKey,
+}
 
 /// The outbox's statements, built once from the dialect and the inbox's table name.
 #[derive(Debug, Clone)]
@@ -87,6 +118,8 @@ pub struct OutboxStatements {
     notifies: bool,
     take_unkeyed: Arc<str>,
     heads: Arc<str>,
+    /// [`heads`](Self::heads) with parked rows holding their keys.
+    heads_held: Arc<str>,
     mark_failed: Arc<str>,
     backlog: Arc<str>,
     counts: Arc<str>,
@@ -94,8 +127,12 @@ pub struct OutboxStatements {
     row: Arc<str>,
     by_message_id: Arc<str>,
     retry: Arc<str>,
+    skip: Arc<str>,
+    held: Arc<str>,
     /// Deletes a batch of sent rows older than the cutoff.
     pub(crate) purge_sent: PurgeSql,
+    /// Deletes a batch of skipped rows given up before the cutoff.
+    pub(crate) purge_skipped: PurgeSql,
     /// Deletes a batch of ordering keys untouched since the cutoff that have no unsent row.
     pub(crate) purge_keys: PurgeSql,
     /// The `LISTEN` channel of this table's outbox: `<table>_outbox`.
@@ -159,16 +196,21 @@ impl OutboxStatements {
                 p().next()
             ),
         );
-        // Each key's head (its pending row with the lowest number), of the keys whose head is
-        // due: a key in back-off takes no slot from one that is ready.
-        let heads = format!(
-            "SELECT h.ordering_key, h.ordering_seq FROM {o} h JOIN \
-             (SELECT ordering_key, MIN(ordering_seq) AS seq, MIN(id) AS first FROM {o} \
-             WHERE state = {PENDING} AND ordering_key IS NOT NULL GROUP BY ordering_key) m \
-             ON h.ordering_key = m.ordering_key AND h.ordering_seq = m.seq \
-             WHERE h.state = {PENDING} AND h.due_at <= {now} ORDER BY m.first LIMIT {}",
-            p().next()
-        );
+        // Each key's head (its row with the lowest number among the `candidates`), of the keys
+        // whose head is pending and due: a key in back-off takes no slot from one that is ready,
+        // and a key whose head is parked (when parked rows are candidates) none at all.
+        let heads = |candidates: &str| {
+            format!(
+                "SELECT h.ordering_key, h.ordering_seq FROM {o} h JOIN \
+                 (SELECT ordering_key, MIN(ordering_seq) AS seq, MIN(id) AS first FROM {o} \
+                 WHERE {candidates} AND ordering_key IS NOT NULL GROUP BY ordering_key) m \
+                 ON h.ordering_key = m.ordering_key AND h.ordering_seq = m.seq \
+                 WHERE h.state = {PENDING} AND h.due_at <= {now} ORDER BY m.first LIMIT {}",
+                p().next()
+            )
+        };
+        let heads_held = heads(&unsent("state"));
+        let heads = heads(&format!("state = {PENDING}"));
         let mark_failed = {
             let mut p = p();
             let (state, attempts, delay, error, id) =
@@ -184,11 +226,15 @@ impl OutboxStatements {
              {now} FROM {o} WHERE state = {PENDING}"
         );
         let counts = format!("SELECT state, COUNT(*), MIN(created_at) FROM {o} GROUP BY state");
-        let shown = format!(
-            "SELECT id, message_id, exchange, routing_key, origin, ordering_key, state, attempts, \
-             created_at, sent_at, last_error, CAST(LENGTH(payload) AS {}) AS payload_len FROM {o}",
-            dialect.int
-        );
+        let columns = |t: &str| {
+            format!(
+                "{t}id, {t}message_id, {t}exchange, {t}routing_key, {t}origin, {t}ordering_key, \
+                 {t}state, {t}attempts, {t}created_at, {t}sent_at, {t}last_error, \
+                 CAST(LENGTH({t}payload) AS {}) AS payload_len",
+                dialect.int
+            )
+        };
+        let shown = format!("SELECT {} FROM {o}", columns(""));
         let parked = {
             let mut p = p();
             let (after, limit) = (p.next(), p.next());
@@ -201,10 +247,41 @@ impl OutboxStatements {
              WHERE id = {} AND state = {PARKED}",
             p().next()
         );
-        let purge_sent = {
+        // A skipped row is done at the time it was given up: `sent_at`, which the purge counts from.
+        let skip = format!(
+            "UPDATE {o} SET state = {SKIPPED}, sent_at = {now} WHERE id = {} AND state = {PARKED}",
+            p().next()
+        );
+        // The parked rows that are their key's first row not yet done with, each with the rows
+        // of its key behind it that are not done with either.
+        let held = {
+            let mut p = p();
+            let (after, limit) = (p.next(), p.next());
+            let behind = |what: &str| {
+                format!(
+                    "(SELECT {what} FROM {o} w WHERE w.ordering_key = p.ordering_key \
+                     AND w.ordering_seq > p.ordering_seq AND {})",
+                    unsent("w.state")
+                )
+            };
+            format!(
+                "SELECT {}, {} AS waiting, {} AS oldest_waiting FROM {o} p \
+                 WHERE p.state = {PARKED} AND p.ordering_key IS NOT NULL AND p.id > {after} \
+                 AND NOT EXISTS (SELECT 1 FROM {o} e WHERE e.ordering_key = p.ordering_key \
+                 AND e.ordering_seq < p.ordering_seq AND {}) ORDER BY p.id LIMIT {limit}",
+                columns("p."),
+                behind("COUNT(*)"),
+                behind("MIN(w.created_at)"),
+                unsent("e.state"),
+            )
+        };
+        // Deletes a batch of rows done with in `state` (sent or skipped) before the cutoff: one
+        // statement per state, each served by an index of its own (`<table>_outbox_sent`,
+        // `<table>_outbox_skipped`; MySQL: `(state, sent_at)`).
+        let purge_done = |state: i64| {
             let mut p = p();
             let (cutoff, limit) = (p.next(), p.next());
-            let which = format!("state = {SENT} AND sent_at < {cutoff}");
+            let which = format!("state = {state} AND sent_at < {cutoff}");
             PurgeSql {
                 sql: if dialect.delete_limit {
                     format!("DELETE FROM {o} WHERE {which} ORDER BY sent_at LIMIT {limit}")
@@ -217,12 +294,15 @@ impl OutboxStatements {
                 binds: vec![Bind::Cutoff, Bind::Limit],
             }
         };
+        let purge_sent = purge_done(SENT);
+        let purge_skipped = purge_done(SKIPPED);
         let purge_keys = {
             // The cutoff is checked on the deleted row itself, so that a key a writer touched
             // meanwhile (its transaction held the row) is rechecked against its new time and kept.
             let unsent = format!(
                 "NOT EXISTS (SELECT 1 FROM {o} WHERE {o}.ordering_key = {k}.ordering_key \
-                 AND {o}.state <> {SENT})"
+                 AND {})",
+                unsent(&format!("{o}.state"))
             );
             let mut p = p();
             let first = p.next();
@@ -259,6 +339,7 @@ impl OutboxStatements {
             notifies: true,
             take_unkeyed: take_unkeyed.into(),
             heads: heads.into(),
+            heads_held: heads_held.into(),
             mark_failed: mark_failed.into(),
             backlog: backlog.into(),
             counts: counts.into(),
@@ -266,7 +347,10 @@ impl OutboxStatements {
             row: row.into(),
             by_message_id: by_message_id.into(),
             retry: retry.into(),
+            skip: skip.into(),
+            held: held.into(),
             purge_sent,
+            purge_skipped,
             purge_keys,
             channel,
             pooled: false,
@@ -376,12 +460,13 @@ pub trait OutboxQueries: Database {
 
     /// Takes, in the open transaction, at most `limit` due rows that no other relay holds: the
     /// due head of each ordering key first (at most half of `limit`, the keys whose oldest pending
-    /// row is oldest first; a key whose head waits for its next attempt is left out), then rows
-    /// without one, in order.
+    /// row is oldest first; a key whose head waits for its next attempt is left out, and so is a
+    /// key whose head is parked when `parked` holds it), then rows without one, in order.
     fn outbox_take<'a>(
         conn: &'a mut Self::Connection,
         statements: &'a OutboxStatements,
         limit: usize,
+        parked: ParkedRows,
     ) -> impl Future<Output = Result<Vec<TakenRow>, sqlx::Error>> + Send + 'a;
 
     /// Marks the rows `ids` sent, or (`sent` false) pending again: what a relay took and the
@@ -440,6 +525,22 @@ pub trait OutboxQueries: Database {
         statements: &'a OutboxStatements,
         id: i64,
     ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send + 'a;
+
+    /// Gives the parked row `id` up: skipped, done as of now; whether it was parked.
+    fn outbox_skip<'a>(
+        conn: &'a mut Self::Connection,
+        statements: &'a OutboxStatements,
+        id: i64,
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send + 'a;
+
+    /// The parked rows after row `after` that are their key's first row not yet done with, in
+    /// order, each with what waits behind it.
+    fn outbox_held<'a>(
+        conn: &'a mut Self::Connection,
+        statements: &'a OutboxStatements,
+        after: i64,
+        limit: i64,
+    ) -> impl Future<Output = Result<Vec<HeldRow>, sqlx::Error>> + Send + 'a;
 }
 
 impl<DB> OutboxQueries for DB
@@ -457,6 +558,7 @@ where
     usize: sqlx::ColumnIndex<DB::Row>,
     for<'r> TakenRow: sqlx::FromRow<'r, DB::Row>,
     for<'r> ShownRow: sqlx::FromRow<'r, DB::Row>,
+    for<'r> HeldRow: sqlx::FromRow<'r, DB::Row>,
     DB::QueryResult: RowsAffected,
 {
     async fn outbox_insert(
@@ -507,10 +609,15 @@ where
         conn: &mut DB::Connection,
         statements: &OutboxStatements,
         limit: usize,
+        parked: ParkedRows,
     ) -> Result<Vec<TakenRow>, sqlx::Error> {
         let limit = limit.max(1);
+        let heads = match parked {
+            ParkedRows::LetTheKeyGo => &statements.heads,
+            ParkedRows::HoldTheKey => &statements.heads_held,
+        };
         let heads: Vec<(String, i64)> = statements
-            .query_as(AssertSqlSafe(statements.heads.clone()))
+            .query_as(AssertSqlSafe(heads.clone()))
             .bind(i64::try_from(limit.div_ceil(2)).unwrap_or(i64::MAX))
             .fetch_all(&mut *conn)
             .await?;
@@ -650,16 +757,59 @@ where
         statements: &OutboxStatements,
         id: i64,
     ) -> Result<bool, sqlx::Error> {
-        let done = in_own_transaction!(
+        unpark::<DB>(conn, statements, &statements.retry, id).await
+    }
+
+    async fn outbox_skip(
+        conn: &mut DB::Connection,
+        statements: &OutboxStatements,
+        id: i64,
+    ) -> Result<bool, sqlx::Error> {
+        unpark::<DB>(conn, statements, &statements.skip, id).await
+    }
+
+    async fn outbox_held(
+        conn: &mut DB::Connection,
+        statements: &OutboxStatements,
+        after: i64,
+        limit: i64,
+    ) -> Result<Vec<HeldRow>, sqlx::Error> {
+        in_own_transaction!(
             conn,
             statements,
             statements
-                .query(AssertSqlSafe(statements.retry.clone()))
-                .bind(id)
-                .execute(&mut *conn)
-        )?;
-        Ok(done.rows() == 1)
+                .query_as(AssertSqlSafe(statements.held.clone()))
+                .bind(after)
+                .bind(limit)
+                .fetch_all(&mut *conn)
+        )
     }
+}
+
+/// Runs `sql`, which changes the parked row `id` (and no other), in a transaction of its own;
+/// whether the row was parked.
+async fn unpark<DB>(
+    conn: &mut DB::Connection,
+    statements: &OutboxStatements,
+    sql: &Arc<str>,
+    id: i64,
+) -> Result<bool, sqlx::Error>
+where
+    DB: Database + sqlx::database::HasStatementCache,
+    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
+    <DB as Database>::Arguments: sqlx::IntoArguments<DB>,
+    for<'q> i64: Encode<'q, DB> + Type<DB>,
+    DB::QueryResult: RowsAffected,
+{
+    let done = in_own_transaction!(
+        conn,
+        statements,
+        statements
+            .query(AssertSqlSafe(sql.clone()))
+            .bind(id)
+            .execute(&mut *conn)
+    )?;
+    Ok(done.rows() == 1)
 }
 
 #[cfg(test)]
@@ -724,5 +874,41 @@ mod tests {
             Some("SELECT pg_notify('shop_outbox', '')")
         );
         assert_eq!(s.purge_keys.binds.len(), 3);
+    }
+
+    #[test]
+    fn parked_rows_hold_their_keys_only_in_the_heads_that_say_so() {
+        let table = TableName::new("shop").unwrap();
+        let s = OutboxStatements::new(&dialect(), &table);
+        assert!(
+            s.heads
+                .contains("WHERE state = 0 AND ordering_key IS NOT NULL GROUP BY")
+        );
+        assert!(
+            s.heads_held
+                .contains("WHERE state <> 1 AND state <> 3 AND ordering_key IS NOT NULL GROUP BY")
+        );
+        // Either way only a pending head is taken.
+        for heads in [&s.heads, &s.heads_held] {
+            assert!(
+                heads.contains("WHERE h.state = 0 AND h.due_at <= NOW_MS"),
+                "{heads}"
+            );
+        }
+        assert!(
+            s.skip
+                .ends_with("SET state = 3, sent_at = NOW_MS WHERE id = $1 AND state = 2")
+        );
+        assert!(
+            s.purge_skipped
+                .sql
+                .contains("WHERE state = 3 AND sent_at < $1")
+        );
+        assert!(
+            s.purge_keys
+                .sql
+                .contains("AND \"shop_outbox\".state <> 1 AND \"shop_outbox\".state <> 3)")
+        );
+        assert!(s.held.contains("p.id > $1") && s.held.ends_with("LIMIT $2"));
     }
 }

@@ -338,6 +338,12 @@ impl Store for Sqlite {
                     ),
                 ]
             }
+            // Skipped outgoing messages, purged by the time they were skipped.
+            4 => vec![format!(
+                "CREATE INDEX IF NOT EXISTS {} ON {} (sent_at) WHERE state = 3",
+                q("outbox_skipped"),
+                q("outbox")
+            )],
             _ => Vec::new(),
         }
     }
