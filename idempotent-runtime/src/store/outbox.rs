@@ -4,10 +4,10 @@
 //!
 //! A row is `pending` (state 0) until a relay saw the broker confirm it, then `sent` (1), or
 //! `parked` (2) after the broker refused it too often; an operator makes a parked row pending
-//! again, or gives it up: `skipped` (3), done as a sent row is, never published. A message with an ordering key also gets
-//! the key's next number (`ordering_seq`) from `<table>_outbox_keys`, whose row for the key the
-//! writing transaction holds locked until it ends: two transactions writing messages of one key
-//! take turns, so the numbers follow their commits.
+//! again, or gives it up: `skipped` (3), done as a sent row is, never published. A message with
+//! an ordering key also gets the key's next number (`ordering_seq`) from `<table>_outbox_keys`,
+//! whose row for the key the writing transaction holds locked until it ends: two transactions
+//! writing messages of one key take turns, so the numbers follow their commits.
 
 use std::future::Future;
 use std::sync::Arc;
