@@ -109,6 +109,13 @@ impl<DB: Backend> Inbox<DB> {
                     }
                 }
                 tracing::debug!(consumer, key = %key.digest(), "claimed message key");
+                #[cfg(feature = "testing")]
+                if self.config.injected == Some(super::config::Injected::ConnectionLostAfterClaim)
+                    && let Some(end) = DB::DIALECT.end_own_connection
+                {
+                    // The server ends the connection: what the body sends on it fails.
+                    let _ = DB::run(tx.connection(), end).await;
+                }
                 return Ok(Claim::New(Claimed::new(
                     tx,
                     consumer,

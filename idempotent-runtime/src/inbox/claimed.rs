@@ -117,7 +117,7 @@ impl<DB: Backend> Claimed<DB> {
             outbox,
         } = self;
         #[cfg(feature = "testing")]
-        if config.crash_before_commit {
+        if config.injected == Some(super::config::Injected::CrashBeforeCommit) {
             let _ = tx.rollback().await;
             return Err(InboxError::Database {
                 stage: Stage::Commit,

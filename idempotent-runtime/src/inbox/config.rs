@@ -15,9 +15,20 @@ pub(crate) struct Config<DB: Backend> {
     pub(crate) statements: Statements,
     pub(crate) settings: DB::Settings,
     pub(crate) retention: Retention,
-    /// The testing kit's crash: every claimed transaction is rolled back where it would commit.
+    /// What the testing kit makes go wrong in every claimed transaction.
     #[cfg(feature = "testing")]
-    pub(crate) crash_before_commit: bool,
+    pub(crate) injected: Option<Injected>,
+}
+
+/// What the testing kit makes go wrong in every claimed transaction of an inbox.
+#[cfg(feature = "testing")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Injected {
+    /// Rolled back where it would commit: a crash between the body and the commit.
+    CrashBeforeCommit,
+    /// Its connection ended by the server right after the claim, so that the body's statements
+    /// fail as after a restart or a cut connection.
+    ConnectionLostAfterClaim,
 }
 
 // Not derived: that would ask for `DB: Clone`.
@@ -29,7 +40,7 @@ impl<DB: Backend> Clone for Config<DB> {
             settings: self.settings.clone(),
             retention: self.retention.clone(),
             #[cfg(feature = "testing")]
-            crash_before_commit: self.crash_before_commit,
+            injected: self.injected,
         }
     }
 }
@@ -128,11 +139,10 @@ impl Inbox<sqlx::Postgres> {
 
 #[cfg(feature = "testing")]
 impl<DB: Backend> Inbox<DB> {
-    /// Returns the same inbox, whose claimed transactions roll back where they would commit: the
-    /// testing kit's crash between a body and its commit.
-    pub(crate) fn crashing_before_commit(self) -> Self {
+    /// Returns the same inbox, with `injected` going wrong in each claimed transaction.
+    pub(crate) fn injecting(self, injected: Injected) -> Self {
         self.with_config(|config| Config {
-            crash_before_commit: true,
+            injected: Some(injected),
             ..config.clone()
         })
     }

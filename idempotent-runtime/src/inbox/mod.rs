@@ -36,6 +36,8 @@ pub use claim::{Claim, ClaimOptions};
 pub use claimed::Claimed;
 pub(crate) use commit::{commit, decode_response};
 pub(crate) use config::Config;
+#[cfg(feature = "testing")]
+pub(crate) use config::Injected;
 pub use handled::Handled;
 #[cfg(feature = "http")]
 pub(crate) use try_claim::{KeyCommitted, TryClaimed};
@@ -80,7 +82,7 @@ impl<DB: Backend> Inbox<DB> {
                 settings: DB::Settings::default(),
                 retention: Retention::default(),
                 #[cfg(feature = "testing")]
-                crash_before_commit: false,
+                injected: None,
             }),
             pool,
             metrics: Arc::default(),

@@ -29,6 +29,9 @@ pub struct Dialect {
     pub(crate) upsert_horizon: &'static str,
     /// `DELETE … ORDER BY … LIMIT` is allowed (MySQL), rather than a subquery on the key.
     pub(crate) delete_limit: bool,
+    /// Has the server end the connection that sends it (the testing kit's lost connection);
+    /// `None` where there is no server (SQLite).
+    pub(crate) end_own_connection: Option<&'static str>,
     /// What the outbox's statements need besides (see [`OutboxDialect`]).
     pub(crate) outbox: OutboxDialect,
 }

@@ -831,6 +831,7 @@ mod tests {
             int: "BIGINT",
             upsert_horizon: "",
             delete_limit: false,
+            end_own_connection: None,
             outbox: OutboxDialect {
                 skip_locked: " FOR UPDATE SKIP LOCKED",
                 next_seq: " ON CONFLICT (ordering_key) DO UPDATE SET last_seq = {k}.last_seq + 1, updated_at = {now}",

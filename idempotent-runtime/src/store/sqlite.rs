@@ -115,6 +115,7 @@ impl Store for Sqlite {
         upsert_horizon: " ON CONFLICT (consumer) DO UPDATE \
             SET purged_until = MAX(purged_until, excluded.purged_until)",
         delete_limit: false,
+        end_own_connection: None,
         outbox: OutboxDialect {
             skip_locked: "",
             next_seq: " ON CONFLICT (ordering_key) DO UPDATE \

@@ -9,10 +9,11 @@ use std::task::Poll;
 use std::time::Duration;
 
 use super::divergence::{
-    CLEAN_FAILED, Divergence, OUTSIDE_THE_TRANSACTION, Schedule, UNSTABLE_KEY,
+    CLEAN_FAILED, Divergence, ERROR_PATH_EFFECT, LOST_CONNECTION_IGNORED,
+    LOST_CONNECTION_NOT_RETRYABLE, OUTSIDE_THE_TRANSACTION, Schedule, UNSTABLE_KEY,
 };
 use crate::error::Error;
-use crate::inbox::{Handled, Inbox};
+use crate::inbox::{Handled, Inbox, Injected};
 use crate::store::Backend;
 
 /// How many times a delivery whose error is retryable is delivered again, as a broker would.
@@ -21,8 +22,9 @@ const RETRIES: usize = 20;
 const MOST_AWAIT_POINTS: usize = 10_000;
 
 /// Runs a `#[idempotent]` handler the way production will: its message delivered twice, several
-/// copies at once, crashed between its body and its commit, and dropped at each of its await
-/// points, each time delivered again, each schedule on a fresh database. After each, it compares a state you read with the state after
+/// copies at once, crashed between its body and its commit, its database connection lost during
+/// the body (PostgreSQL, MySQL), and dropped at each of its await points, each time delivered
+/// again, each schedule on a fresh database. After each, it compares a state you read with the state after
 /// one clean delivery, and reports the first schedule whose state differs.
 ///
 /// It is given three async closures:
@@ -95,6 +97,9 @@ pub struct Checked {
     pub copies: usize,
     /// The await points at which a delivery was dropped, each in a schedule of its own.
     pub await_points: usize,
+    /// Whether the connection was lost during the body ([`Schedule::ConnectionLost`]): on
+    /// PostgreSQL and MySQL, not on SQLite.
+    pub connection_lost: bool,
 }
 
 impl<DB, Fresh, Deliver, State> Check<DB, Fresh, Deliver, State>
@@ -191,7 +196,7 @@ where
         // committed; the redelivery runs it again, and only its transaction's effects are undone.
         let schedule = Schedule::CrashedBeforeCommit;
         let inbox = self.fresh(schedule.clone()).await?;
-        let crashing = inbox.clone().crashing_before_commit();
+        let crashing = inbox.clone().injecting(Injected::CrashBeforeCommit);
         if let Ok(handled) = (self.deliver)(&crashing).await {
             let what = if handled.is_processed() {
                 "the delivery was processed without the inbox's commit"
@@ -209,6 +214,47 @@ where
         self.same(schedule, &expected, found, OUTSIDE_THE_TRANSACTION)?;
         drop((crashing, inbox));
 
+        // The connection lost during the body: its statements fail, nothing commits, and the
+        // error must leave the message to be delivered again.
+        let connection_lost = DB::DIALECT.end_own_connection.is_some();
+        if connection_lost {
+            let schedule = Schedule::ConnectionLost;
+            let inbox = self.fresh(schedule.clone()).await?;
+            let losing = inbox.clone().injecting(Injected::ConnectionLostAfterClaim);
+            match (self.deliver)(&losing).await {
+                Ok(handled) if handled.is_processed() => {
+                    let found = (self.state)(&inbox).await;
+                    return Err(compared(
+                        schedule,
+                        "the delivery succeeded though its connection was lost",
+                        &expected,
+                        &found,
+                        LOST_CONNECTION_IGNORED,
+                    ));
+                }
+                Ok(_) => {
+                    return Err(divergence(
+                        schedule,
+                        "a delivery on a fresh database was a duplicate",
+                        "`fresh` must give a new, empty inbox each time: one of its own database",
+                    ));
+                }
+                Err(error) if !error.is_retryable() => {
+                    let said = failed(schedule.clone(), &error).what;
+                    return Err(divergence(
+                        schedule,
+                        &format!("{said}, which is not retryable"),
+                        LOST_CONNECTION_NOT_RETRYABLE,
+                    ));
+                }
+                Err(_) => {}
+            }
+            let _again = self.to_the_end(&inbox, schedule.clone()).await?;
+            let found = (self.state)(&inbox).await;
+            self.same(schedule, &expected, found, ERROR_PATH_EFFECT)?;
+            drop((losing, inbox));
+        }
+
         // Dropped at each await point in turn, then delivered again. How many await points a
         // delivery shows depends on the machine (a poll runs past every answer that has arrived),
         // so this covers what the schedule above cannot: a drop inside the claim or the body.
@@ -222,6 +268,7 @@ where
                 return Ok(Checked {
                     copies: self.copies,
                     await_points: point - 1,
+                    connection_lost,
                 });
             }
             let _again = self.to_the_end(&inbox, schedule.clone()).await?;
@@ -231,6 +278,7 @@ where
         Ok(Checked {
             copies: self.copies,
             await_points: MOST_AWAIT_POINTS,
+            connection_lost,
         })
     }
 

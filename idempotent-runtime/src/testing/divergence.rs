@@ -16,6 +16,10 @@ pub enum Schedule {
     AtOnce(usize),
     /// Delivered, the process crashed after the body and before the commit, then delivered again.
     CrashedBeforeCommit,
+    /// Delivered, the database connection lost right after the claim (the server ended it, as a
+    /// restart or a cut connection does), so that the body's statements failed; then delivered
+    /// again. On PostgreSQL and MySQL; not on SQLite, which has no connection to lose.
+    ConnectionLost,
     /// Delivered, the delivery dropped at this await point (numbered from 1: a crash, a timeout,
     /// a cancelled task), then delivered again to the end.
     DroppedAt(usize),
@@ -29,6 +33,9 @@ impl fmt::Display for Schedule {
             Schedule::AtOnce(copies) => write!(f, "{copies} copies delivered at once"),
             Schedule::CrashedBeforeCommit => {
                 f.write_str("crashed after the body, before the commit, then delivered again")
+            }
+            Schedule::ConnectionLost => {
+                f.write_str("the database connection lost during the body, then delivered again")
             }
             Schedule::DroppedAt(point) => write!(
                 f,
@@ -85,3 +92,21 @@ pub(super) const CLEAN_FAILED: &str = "a delivery on a fresh database must succe
      schedules to mean anything. A statement that waited for a lock or a connection until it \
      failed usually ran on another connection than the handler's own, which waits for the \
      handler's transaction";
+
+/// Why a delivery whose connection was lost, and then delivered again, left another state.
+pub(super) const ERROR_PATH_EFFECT: &str = "the body's error path had an effect outside its \
+     transaction: a fallback write on another connection or pool, a compensating call, a \
+     notification. When the database fails under the body, return the error and let the message \
+     be delivered again: its redelivery does the work";
+
+/// Why a delivery whose connection was lost ended in an error that is not retryable.
+pub(super) const LOST_CONNECTION_NOT_RETRYABLE: &str = "a lost database connection must leave \
+     the message to be delivered again, but the handler's error says it cannot succeed \
+     (`Error::Handler`), so a runner would dead-letter the message on a restart of the database. \
+     Return `Error::Transient` for errors that `idempotent::is_retryable` says may pass (an \
+     `#[idempotent]` handler does: a body's error from a failed database is retryable)";
+
+/// Why a delivery whose connection was lost succeeded.
+pub(super) const LOST_CONNECTION_IGNORED: &str = "the body's statements failed on the lost \
+     connection, but the delivery succeeded: the handler swallowed the database's errors (or wrote \
+     elsewhere). Return them, so that nothing commits and the message is delivered again";

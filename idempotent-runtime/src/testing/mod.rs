@@ -1,10 +1,11 @@
 //! A kit for testing your own handlers the way production will run them (feature `testing`).
 //!
 //! - [`Check`] delivers a `#[idempotent]` handler's message under the schedules a broker makes:
-//!   twice in a row, several copies at once, crashed between its body and its commit, and
-//!   dropped at each of its await points, each time delivered again. After each it compares a state you read (your tables, your fakes of
-//!   outside services) with the state after one clean delivery, and reports the first schedule
-//!   whose state differs as a [`Divergence`], in words.
+//!   twice in a row, several copies at once, crashed between its body and its commit, its
+//!   database connection lost during the body (PostgreSQL, MySQL), and dropped at each of its
+//!   await points, each time delivered again. After each it compares a state you read (your
+//!   tables, your fakes of outside services) with the state after one clean delivery, and reports
+//!   the first schedule whose state differs as a [`Divergence`], in words.
 //! - [`RecordingPublisher`] is a [`Publisher`](crate::outbox::Publisher) that keeps what it is
 //!   given and fails on demand, to run a relay in a unit test without a broker.
 //!

@@ -117,6 +117,7 @@ impl Store for Postgres {
         upsert_horizon: " ON CONFLICT (consumer) DO UPDATE \
             SET purged_until = GREATEST({h}.purged_until, EXCLUDED.purged_until)",
         delete_limit: false,
+        end_own_connection: Some("SELECT pg_terminate_backend(pg_backend_pid())"),
         outbox: OutboxDialect {
             skip_locked: " FOR UPDATE SKIP LOCKED",
             next_seq: " ON CONFLICT (ordering_key) DO UPDATE \
