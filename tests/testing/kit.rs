@@ -2,12 +2,12 @@
 //! same handlers without them: an effect written on another connection, an outside call made
 //! without the message's `IdempotencyKey`, and a key that is not stable across deliveries. Each
 //! mistake is caught, by the schedule that shows it, with its hint; each mended handler passes.
-//! On PostgreSQL too (`postgres.rs`), with the schedule only a server has: the connection lost
-//! during the body.
+//! On PostgreSQL and MariaDB too (`servers.rs`), with the schedule only a server has: the
+//! connection lost during the body.
 #![cfg(all(feature = "testing", feature = "sqlite"))]
 
-#[cfg(feature = "postgres")]
-mod postgres;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+mod servers;
 
 use std::sync::{Arc, Mutex};
 
