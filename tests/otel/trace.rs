@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use axum::Router;
 use axum::http::StatusCode;
 use axum::routing::post;
-use idempotent::broker::{Message, RetryPolicy, Shutdown};
+use idempotent::broker::{BrokerError, Message, RetryPolicy, RunnerStats, Shutdown};
 use idempotent::http::{IdempotencyLayer, IdempotentTx, RequestKey};
 use idempotent::outbox::{Destination, OutgoingMessage, Publisher, RelayOptions};
 use idempotent::{Error, Handled, Inbox, idempotent};
@@ -104,16 +104,20 @@ async fn on_placed(tx: &mut PgConnection, msg: &Placed) -> Result<(), sqlx::Erro
     Ok(())
 }
 
+/// A worker of B's runner.
+type Worker = Box<
+    dyn FnMut(
+            Message,
+        )
+            -> futures::future::BoxFuture<'static, Result<Handled<()>, Error<sqlx::Error>>>
+        + Send,
+>;
+
 /// Handler B's worker: a span of its own (the delivery's child), and a panic on the first
 /// attempt of each message, so that it is delivered again.
-fn worker(
-    inbox: &Inbox<Postgres>,
-    attempts: &Arc<Mutex<Vec<u32>>>,
-) -> impl FnMut(Message) -> futures::future::BoxFuture<'static, Result<Handled<()>, Error<sqlx::Error>>>
-+ Send
-+ use<> {
+fn worker(inbox: &Inbox<Postgres>, attempts: &Arc<Mutex<Vec<u32>>>) -> Worker {
     let (inbox, attempts) = (inbox.clone(), attempts.clone());
-    move |message: Message| {
+    Box::new(move |message: Message| {
         let (inbox, attempts) = (inbox.clone(), attempts.clone());
         Box::pin(async move {
             let span = tracing::info_span!("handler_b", attempt = message.attempt);
@@ -128,7 +132,7 @@ fn worker(
             drop(_entered);
             tracing::Instrument::instrument(on_placed(&inbox, &placed), span).await
         })
-    }
+    })
 }
 
 /// The two databases, A's HTTP server and its relay on `publisher`; returns what the caller
@@ -211,8 +215,35 @@ impl Hops {
         ids
     }
 
+    /// B's workers for a runner, and the attempts their handler saw.
+    fn workers(
+        &self,
+    ) -> (
+        impl FnMut() -> Worker + Send + 'static,
+        Arc<Mutex<Vec<u32>>>,
+    ) {
+        let (inbox, attempts) = (self.b.inbox.clone(), Arc::default());
+        let seen = Arc::clone(&attempts);
+        (move || worker(&inbox, &seen), attempts)
+    }
+
+    /// Waits until B has recorded the message, then stops B's runner and A's relay; the handler
+    /// must have seen the message twice (its first attempt panicked).
+    async fn until_shipped(
+        &self,
+        shutdown: Shutdown,
+        running: tokio::task::JoinHandle<Result<RunnerStats, BrokerError>>,
+        attempts: Arc<Mutex<Vec<u32>>>,
+    ) {
+        self.until_recorded().await;
+        shutdown.cancel();
+        running.await.unwrap().unwrap();
+        self.shutdown_relay.cancel();
+        assert_eq!(*attempts.lock().unwrap(), [1, 2]);
+    }
+
     /// Waits until B has recorded the message.
-    async fn until_shipped(&self) {
+    async fn until_recorded(&self) {
         let start = Instant::now();
         loop {
             let shipped: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM shipments")
@@ -309,19 +340,13 @@ async fn one_trace_from_an_http_request_through_the_outbox_and_rabbitmq_to_the_c
     let hops = Hops::start(Destination::queue(queue.clone()), publisher).await;
     let (trace, client) = hops.order("order-1").await;
 
-    let attempts = Arc::default();
+    let (workers, attempts) = hops.workers();
     let shutdown = Shutdown::new();
     let runner = idempotent::broker::rabbitmq::Runner::connect(url, queue.as_str())
         .retry(RetryPolicy::new(3, Duration::from_millis(50)))
         .shutdown_on(shutdown.clone());
-    let b = hops.b.inbox.clone();
-    let worker_attempts = Arc::clone(&attempts);
-    let running = tokio::spawn(runner.run(move || worker(&b, &worker_attempts)));
-    hops.until_shipped().await;
-    shutdown.cancel();
-    running.await.unwrap().unwrap();
-    hops.shutdown_relay.cancel();
-    assert_eq!(*attempts.lock().unwrap(), [1, 2]);
+    let running = tokio::spawn(runner.run(workers));
+    hops.until_shipped(shutdown, running, attempts).await;
     assert_one_trace(trace, client);
     drop((channel, connection));
 }
@@ -354,18 +379,12 @@ async fn one_trace_from_an_http_request_through_the_outbox_and_jetstream_to_the_
     let hops = Hops::start(Destination::subject(format!("{id}.placed")), publisher).await;
     let (trace, client) = hops.order("order-1").await;
 
-    let attempts = Arc::default();
+    let (workers, attempts) = hops.workers();
     let shutdown = Shutdown::new();
     let runner = idempotent::broker::nats::Runner::new(context, consumer, format!("{id}.dead"))
         .retry(RetryPolicy::new(3, Duration::from_millis(50)))
         .shutdown_on(shutdown.clone());
-    let b = hops.b.inbox.clone();
-    let worker_attempts = Arc::clone(&attempts);
-    let running = tokio::spawn(runner.run(move || worker(&b, &worker_attempts)));
-    hops.until_shipped().await;
-    shutdown.cancel();
-    running.await.unwrap().unwrap();
-    hops.shutdown_relay.cancel();
-    assert_eq!(*attempts.lock().unwrap(), [1, 2]);
+    let running = tokio::spawn(runner.run(workers));
+    hops.until_shipped(shutdown, running, attempts).await;
     assert_one_trace(trace, client);
 }

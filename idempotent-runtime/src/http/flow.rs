@@ -319,6 +319,14 @@ impl<DB: HttpBackend> Run<DB> {
         }
     }
 
+    /// Claims the key in a transaction of its own, without waiting.
+    async fn try_claim(&self) -> Result<TryClaimed<DB>, Rejection> {
+        self.inbox()
+            .try_claim(self.consumer(), &self.key, &self.fingerprint, CALL_NAME)
+            .await
+            .map_err(Rejection::Inbox)
+    }
+
     /// A transactional route's claim of its key, without waiting.
     async fn claim_in_transaction(&mut self) -> Result<Found<Claimed<DB>>, Rejection> {
         if DB::READ_FIRST
@@ -326,12 +334,7 @@ impl<DB: HttpBackend> Run<DB> {
         {
             return Ok(Found::Replay(replay));
         }
-        let claimed = self
-            .inbox()
-            .try_claim(self.consumer(), &self.key, &self.fingerprint, CALL_NAME)
-            .await
-            .map_err(Rejection::Inbox)?;
-        match claimed {
+        match self.try_claim().await? {
             TryClaimed::New(claimed) => Ok(Found::Run(claimed)),
             TryClaimed::InFlight => Err(Rejection::InFlight {
                 retry_after: self.shared.config.retry_after,
@@ -398,12 +401,7 @@ impl<DB: HttpBackend> Run<DB> {
     /// waiting: as a new row, or on the row there if it has no response or has `tried`. `false`
     /// when another request holds the key or stored its response.
     async fn store_ended(&self, answer: &[u8], tried: &[u8]) -> Result<bool, Rejection> {
-        let claimed = self
-            .inbox()
-            .try_claim(self.consumer(), &self.key, &self.fingerprint, CALL_NAME)
-            .await
-            .map_err(Rejection::Inbox)?;
-        match claimed {
+        match self.try_claim().await? {
             TryClaimed::New(mut claimed) => {
                 claimed
                     .store_response(answer)
