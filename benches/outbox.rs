@@ -10,11 +10,15 @@
 //!    (a hand-written loop on one channel or context, persistent messages with ids, up to 1,000
 //!    unconfirmed at once: the best this machine's broker does), then a relay draining the same
 //!    number of committed outgoing rows through the outbox's publisher, by batch size and workers.
-//! 2. **Commit-to-publish latency**: handlers commit one outgoing message each at a steady rate;
-//!    from each commit's return to the broker's confirmation of its message, p50 and p99, with the
-//!    relay woken by `LISTEN/NOTIFY` and with polling only.
+//! 2. **Commit-to-publish latency**: handlers commit one outgoing message each at a steady rate
+//!    (one worker at 100/s, eight at 1,000/s); from each commit's return to the broker's
+//!    confirmation of its message, p50 and p99, with the relay woken by `LISTEN/NOTIFY` and with
+//!    polling only.
 //! 3. **Handler cost**: the same handler (one `UPDATE`) with and without queueing one outgoing
-//!    message, 8 workers, as a ratio.
+//!    message, 8 workers, as a ratio: the relays woken after the commit (the default), by a
+//!    `NOTIFY` in the transaction (as before), and not at all (relays that poll).
+//!
+//! Sections by name: `cargo bench --bench outbox --features rabbitmq,nats,postgres -- latency cost`.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -350,17 +354,42 @@ async fn pay_and_announce(
     Ok(())
 }
 
+/// [`pay_and_announce`] with the relays' `NOTIFY` in its transaction, as the inbox sent it before
+/// it sent it after the commit: run on an inbox `with_outbox_notify(false)`.
+#[idempotent(key = "message_id", consumer = "announcing")]
+async fn pay_and_announce_notifying_in_transaction(
+    tx: &mut PgConnection,
+    msg: &Payment,
+    outbox: &mut Outbox,
+) -> Result<(), BenchError> {
+    sqlx::query("UPDATE accounts SET balance = balance + 1 WHERE id = $1")
+        .bind(msg.account)
+        .execute(&mut *tx)
+        .await?;
+    sqlx::query("SELECT pg_notify('idempotent_inbox_outbox', '')")
+        .execute(&mut *tx)
+        .await?;
+    outbox.send(OutgoingMessage::new(
+        msg.destination.clone(),
+        payload(msg.account as usize),
+    ));
+    Ok(())
+}
+
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
     sorted[((sorted.len() - 1) as f64 * p).round() as usize]
 }
 
-/// Commits one outgoing message every `every`, `count` in all, with a relay running; the
-/// commit-to-confirmation latencies, sorted.
+/// Commits one outgoing message every `every`, `count` in all, spread over `workers` that each
+/// commit at their own steady pace, with a relay running; the commit-to-confirmation latencies,
+/// sorted. `Notifying::InTransaction`: the handler sends the relays' `NOTIFY` in its transaction,
+/// as before they were woken after the commit.
 async fn latency(
     inbox: &Inbox<Postgres>,
     queue: &str,
-    options: RelayOptions,
+    (options, notifying): (RelayOptions, Notifying),
     count: usize,
+    workers: usize,
     every: Duration,
 ) -> Vec<Duration> {
     let publisher = Arc::new(Timed {
@@ -371,25 +400,42 @@ async fn latency(
     });
     let relay = inbox.spawn_relay(publisher.clone(), options);
     tokio::time::sleep(Duration::from_millis(300)).await; // the listener is up
-    let destination = Destination::queue(queue);
-    let worker = inbox.for_worker();
-    let mut committed = Vec::with_capacity(count);
-    let mut ticks = tokio::time::interval(every);
-    for i in 0..count {
-        ticks.tick().await;
-        let msg = Payment {
-            message_id: uuid::Uuid::new_v4().to_string(),
-            account: 1 + (i as i64 % ACCOUNTS),
-            destination: destination.clone(),
-        };
-        assert!(
-            pay_and_announce(&worker, &msg)
-                .await
-                .unwrap()
-                .is_processed()
-        );
-        let key = idempotent::message_key(&msg.message_id).unwrap();
-        committed.push((Outbox::derived_id("announcing", &key, 0), Instant::now()));
+    let committed = Arc::new(Mutex::new(Vec::with_capacity(count)));
+    let tasks: Vec<_> = (0..workers)
+        .map(|worker| {
+            let inbox = match notifying {
+                Notifying::AfterCommit => inbox.for_worker(),
+                Notifying::InTransaction => inbox.for_worker().with_outbox_notify(false),
+            };
+            let committed = committed.clone();
+            let destination = Destination::queue(queue);
+            tokio::spawn(async move {
+                // Each worker in its own phase of the common pace.
+                tokio::time::sleep(every * worker as u32).await;
+                let mut ticks = tokio::time::interval(every * workers as u32);
+                for i in (worker..count).step_by(workers) {
+                    ticks.tick().await;
+                    let msg = Payment {
+                        message_id: uuid::Uuid::new_v4().to_string(),
+                        account: 1 + (i as i64 % ACCOUNTS),
+                        destination: destination.clone(),
+                    };
+                    let handled = match notifying {
+                        Notifying::AfterCommit => pay_and_announce(&inbox, &msg).await,
+                        Notifying::InTransaction => {
+                            pay_and_announce_notifying_in_transaction(&inbox, &msg).await
+                        }
+                    };
+                    assert!(handled.unwrap().is_processed());
+                    let key = idempotent::message_key(&msg.message_id).unwrap();
+                    let id = Outbox::derived_id("announcing", &key, 0);
+                    committed.lock().unwrap().push((id, Instant::now()));
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.unwrap();
     }
     while publisher.confirmed.lock().unwrap().len() < count {
         tokio::time::sleep(Duration::from_millis(5)).await;
@@ -397,11 +443,20 @@ async fn latency(
     relay.shutdown().await;
     let confirmed = publisher.confirmed.lock().unwrap();
     let mut latencies: Vec<Duration> = committed
+        .lock()
+        .unwrap()
         .iter()
         .map(|(id, at)| confirmed[id].saturating_duration_since(*at))
         .collect();
     latencies.sort();
     latencies
+}
+
+/// Where a handler's `NOTIFY` is sent.
+#[derive(Clone, Copy)]
+enum Notifying {
+    AfterCommit,
+    InTransaction,
 }
 
 /// `count` messages through `handler` by 8 workers; messages per second.
@@ -462,7 +517,13 @@ async fn main() {
         .and_then(|n| n.parse().ok())
         .unwrap_or(20_000);
 
-    // 1. Throughput: RabbitMQ.
+    // The sections named after `--bench` (`throughput`, `latency`, `cost`), or all.
+    let named: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|arg| !arg.starts_with('-'))
+        .collect();
+    let wanted = |section: &str| named.is_empty() || named.iter().any(|n| n == section);
+
     let (_connection, channel) = amqp_channel().await;
     let queue = format!("bench-outbox-{}", uuid::Uuid::new_v4().simple());
     channel
@@ -473,215 +534,259 @@ async fn main() {
         )
         .await
         .unwrap();
-    let mut throughput = Vec::new();
-    let limit = {
-        let mut best: f64 = 0.0;
-        for _ in 0..3 {
-            best = best.max(rabbitmq_limit(&channel, &queue, count).await);
-            purge(&channel, &queue).await;
-            best = best.max(rabbitmq_limit_grouped(&channel, &queue, count).await);
+    if wanted("throughput") {
+        // 1. Throughput: RabbitMQ.
+        let mut throughput = Vec::new();
+        let limit = {
+            let mut best: f64 = 0.0;
+            for _ in 0..3 {
+                best = best.max(rabbitmq_limit(&channel, &queue, count).await);
+                purge(&channel, &queue).await;
+                best = best.max(rabbitmq_limit_grouped(&channel, &queue, count).await);
+                purge(&channel, &queue).await;
+            }
+            best
+        };
+        throughput.push((
+            "RabbitMQ",
+            "broker's own loop (best of 6)".to_owned(),
+            limit,
+            limit,
+        ));
+        {
+            // A publication to copy, from a relay.
+            reset(&pool).await;
+            fill_outbox(&inbox, 1, &Destination::queue(queue.clone())).await;
+            inbox
+                .relay_once(&Keep, &RelayOptions::default())
+                .await
+                .unwrap();
+            let publisher =
+                idempotent::broker::rabbitmq::OutboxPublisher::connect(&env("IDEMPOTENT_AMQP_URL"))
+                    .await
+                    .unwrap();
+            let alone =
+                publisher_alone(&publisher, &Destination::queue(queue.clone()), count).await;
+            throughput.push((
+                "RabbitMQ",
+                "the outbox's publisher alone, no database".to_owned(),
+                alone,
+                limit,
+            ));
             purge(&channel, &queue).await;
         }
-        best
-    };
-    throughput.push((
-        "RabbitMQ",
-        "broker's own loop (best of 6)".to_owned(),
-        limit,
-        limit,
-    ));
-    {
-        // A publication to copy, from a relay.
-        reset(&pool).await;
-        fill_outbox(&inbox, 1, &Destination::queue(queue.clone())).await;
-        inbox
-            .relay_once(&Keep, &RelayOptions::default())
+        for (batch, workers) in [(100, 1), (500, 1), (500, 2), (500, 4), (1000, 4)] {
+            reset(&pool).await;
+            fill_outbox(&inbox, count, &Destination::queue(queue.clone())).await;
+            let publisher =
+                idempotent::broker::rabbitmq::OutboxPublisher::connect(&env("IDEMPOTENT_AMQP_URL"))
+                    .await
+                    .unwrap();
+            let options = RelayOptions::default().batch_size(batch).workers(workers);
+            let relayed = drain(&inbox, publisher, options, count).await;
+            throughput.push((
+                "RabbitMQ",
+                format!("relay, batches of {batch}, {workers} worker(s)"),
+                relayed,
+                limit,
+            ));
+            purge(&channel, &queue).await;
+        }
+
+        // 1. Throughput: NATS JetStream.
+        let client = async_nats::connect(env("IDEMPOTENT_NATS_URL"))
             .await
             .unwrap();
-        let publisher =
-            idempotent::broker::rabbitmq::OutboxPublisher::connect(&env("IDEMPOTENT_AMQP_URL"))
-                .await
-                .unwrap();
-        let alone = publisher_alone(&publisher, &Destination::queue(queue.clone()), count).await;
-        throughput.push((
-            "RabbitMQ",
-            "the outbox's publisher alone, no database".to_owned(),
-            alone,
-            limit,
-        ));
-        purge(&channel, &queue).await;
-    }
-    for (batch, workers) in [(100, 1), (500, 1), (500, 2), (500, 4), (1000, 4)] {
-        reset(&pool).await;
-        fill_outbox(&inbox, count, &Destination::queue(queue.clone())).await;
-        let publisher =
-            idempotent::broker::rabbitmq::OutboxPublisher::connect(&env("IDEMPOTENT_AMQP_URL"))
-                .await
-                .unwrap();
-        let options = RelayOptions::default().batch_size(batch).workers(workers);
-        let relayed = drain(&inbox, publisher, options, count).await;
-        throughput.push((
-            "RabbitMQ",
-            format!("relay, batches of {batch}, {workers} worker(s)"),
-            relayed,
-            limit,
-        ));
-        purge(&channel, &queue).await;
-    }
-
-    // 1. Throughput: NATS JetStream.
-    let client = async_nats::connect(env("IDEMPOTENT_NATS_URL"))
-        .await
-        .unwrap();
-    let context = jetstream::new(client);
-    let prefix = uuid::Uuid::new_v4().simple().to_string();
-    context
-        .create_stream(jetstream::stream::Config {
-            name: format!("BENCH_{prefix}"),
-            subjects: vec![format!("{prefix}.>")],
-            duplicate_window: Duration::from_secs(120),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-    let subject = format!("{prefix}.paid");
-    let limit = {
-        let mut best: f64 = 0.0;
-        for _ in 0..3 {
-            best = best.max(nats_limit(&context, &subject, count).await);
-            best = best.max(nats_limit_grouped(&context, &subject, count).await);
-        }
-        best
-    };
-    throughput.push((
-        "NATS JetStream",
-        "broker's own loop (best of 6)".to_owned(),
-        limit,
-        limit,
-    ));
-    for (batch, workers) in [(100, 1), (500, 1), (500, 2), (500, 4), (1000, 4)] {
-        reset(&pool).await;
-        fill_outbox(&inbox, count, &Destination::subject(subject.clone())).await;
-        let publisher = idempotent::broker::nats::OutboxPublisher::new(context.clone());
-        let options = RelayOptions::default().batch_size(batch).workers(workers);
-        let relayed = drain(&inbox, publisher, options, count).await;
+        let context = jetstream::new(client);
+        let prefix = uuid::Uuid::new_v4().simple().to_string();
+        context
+            .create_stream(jetstream::stream::Config {
+                name: format!("BENCH_{prefix}"),
+                subjects: vec![format!("{prefix}.>")],
+                duplicate_window: Duration::from_secs(120),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        let subject = format!("{prefix}.paid");
+        let limit = {
+            let mut best: f64 = 0.0;
+            for _ in 0..3 {
+                best = best.max(nats_limit(&context, &subject, count).await);
+                best = best.max(nats_limit_grouped(&context, &subject, count).await);
+            }
+            best
+        };
         throughput.push((
             "NATS JetStream",
-            format!("relay, batches of {batch}, {workers} worker(s)"),
-            relayed,
+            "broker's own loop (best of 6)".to_owned(),
+            limit,
             limit,
         ));
-    }
+        for (batch, workers) in [(100, 1), (500, 1), (500, 2), (500, 4), (1000, 4)] {
+            reset(&pool).await;
+            fill_outbox(&inbox, count, &Destination::subject(subject.clone())).await;
+            let publisher = idempotent::broker::nats::OutboxPublisher::new(context.clone());
+            let options = RelayOptions::default().batch_size(batch).workers(workers);
+            let relayed = drain(&inbox, publisher, options, count).await;
+            throughput.push((
+                "NATS JetStream",
+                format!("relay, batches of {batch}, {workers} worker(s)"),
+                relayed,
+                limit,
+            ));
+        }
 
-    // The relay's own limit: the database's work, with a broker that confirms at once.
-    for (batch, workers) in [(500, 1), (500, 4)] {
-        reset(&pool).await;
-        fill_outbox(&inbox, count, &Destination::queue("nowhere")).await;
-        let options = RelayOptions::default().batch_size(batch).workers(workers);
-        let relayed = drain(&inbox, Instant0, options, count).await;
-        throughput.push((
-            "none (confirms at once)",
-            format!("relay, batches of {batch}, {workers} worker(s)"),
-            relayed,
-            f64::NAN,
-        ));
-    }
+        // The relay's own limit: the database's work, with a broker that confirms at once.
+        for (batch, workers) in [(500, 1), (500, 4)] {
+            reset(&pool).await;
+            fill_outbox(&inbox, count, &Destination::queue("nowhere")).await;
+            let options = RelayOptions::default().batch_size(batch).workers(workers);
+            let relayed = drain(&inbox, Instant0, options, count).await;
+            throughput.push((
+                "none (confirms at once)",
+                format!("relay, batches of {batch}, {workers} worker(s)"),
+                relayed,
+                f64::NAN,
+            ));
+        }
 
-    println!(
-        "\n## Relay throughput ({count} messages each, PostgreSQL 15, one machine, 2 cores)\n"
-    );
-    println!("| broker | publisher | messages/s | × the broker's own |");
-    println!("|---|---|---|---|");
-    for (broker, what, rate, limit) in &throughput {
-        let ratio = if limit.is_nan() {
-            "-".to_owned()
-        } else {
-            format!("{:.2}", rate / limit)
-        };
-        println!("| {broker} | {what} | {rate:.0} | {ratio} |");
-    }
-
-    // 2. Latency, at 100 messages per second.
-    reset(&pool).await;
-    let mut latencies = Vec::new();
-    for (label, options) in [
-        ("LISTEN/NOTIFY", RelayOptions::default()),
-        (
-            "polling, back-off 10 ms to 1 s (the default without LISTEN)",
-            RelayOptions::default().listen(false),
-        ),
-        (
-            "polling every 10 ms",
-            RelayOptions::default()
-                .listen(false)
-                .poll_interval(Duration::from_millis(10), Duration::from_millis(10)),
-        ),
-    ] {
-        let sorted = latency(&inbox, &queue, options, 1000, Duration::from_millis(10)).await;
-        latencies.push((label, sorted));
-        purge(&channel, &queue).await;
-    }
-    println!("\n## Commit-to-publish latency (1,000 messages at 100/s, RabbitMQ confirms)\n");
-    println!("| relay woken by | p50 ms | p99 ms | max ms |");
-    println!("|---|---|---|---|");
-    for (label, sorted) in &latencies {
         println!(
-            "| {label} | {} | {} | {} |",
-            ms(percentile(sorted, 0.5)),
-            ms(percentile(sorted, 0.99)),
-            ms(*sorted.last().unwrap())
+            "\n## Relay throughput ({count} messages each, PostgreSQL 15, one machine, 2 cores)\n"
         );
+        println!("| broker | publisher | messages/s | × the broker's own |");
+        println!("|---|---|---|---|");
+        for (broker, what, rate, limit) in &throughput {
+            let ratio = if limit.is_nan() {
+                "-".to_owned()
+            } else {
+                format!("{:.2}", rate / limit)
+            };
+            println!("| {broker} | {what} | {rate:.0} | {ratio} |");
+        }
     }
-    plot(&latencies);
 
-    // 3. Handler cost.
-    reset(&pool).await;
-    let handled = 20_000;
-    let quiet = inbox.clone().with_outbox_notify(false);
-    let mut plain = Vec::new();
-    let mut announcing = Vec::new();
-    let mut announcing_quietly = Vec::new();
-    for _ in 0..3 {
-        plain.push(
-            handlers(&inbox, handled, |inbox, msg| async move {
-                assert!(pay(&inbox, &msg).await.unwrap().is_processed());
-            })
-            .await,
-        );
-        announcing.push(
-            handlers(&inbox, handled, |inbox, msg| async move {
-                assert!(pay_and_announce(&inbox, &msg).await.unwrap().is_processed());
-            })
-            .await,
-        );
-        announcing_quietly.push(
-            handlers(&quiet, handled, |inbox, msg| async move {
-                assert!(pay_and_announce(&inbox, &msg).await.unwrap().is_processed());
-            })
-            .await,
-        );
+    if wanted("latency") {
+        // 2. Latency, at 100 messages per second from one worker, and at 1,000 from 8.
+        reset(&pool).await;
+        let mut latencies = Vec::new();
+        for (label, options, workers, every) in [
+            (
+                "LISTEN/NOTIFY after the commit (the default), 1 worker at 100/s",
+                (RelayOptions::default(), Notifying::AfterCommit),
+                1,
+                Duration::from_millis(10),
+            ),
+            (
+                "LISTEN/NOTIFY after the commit (the default), 8 workers at 1,000/s",
+                (RelayOptions::default(), Notifying::AfterCommit),
+                8,
+                Duration::from_millis(1),
+            ),
+            (
+                "LISTEN/NOTIFY in the transaction (as before), 8 workers at 1,000/s",
+                (RelayOptions::default(), Notifying::InTransaction),
+                8,
+                Duration::from_millis(1),
+            ),
+            (
+                "polling, back-off 10 ms to 1 s (the default without LISTEN), 1 worker at 100/s",
+                (
+                    RelayOptions::default().listen(false),
+                    Notifying::AfterCommit,
+                ),
+                1,
+                Duration::from_millis(10),
+            ),
+            (
+                "polling every 10 ms, 1 worker at 100/s",
+                (
+                    RelayOptions::default()
+                        .listen(false)
+                        .poll_interval(Duration::from_millis(10), Duration::from_millis(10)),
+                    Notifying::AfterCommit,
+                ),
+                1,
+                Duration::from_millis(10),
+            ),
+        ] {
+            let count = 1000 * workers;
+            let sorted = latency(&inbox, &queue, options, count, workers, every).await;
+            latencies.push((label, sorted));
+            purge(&channel, &queue).await;
+        }
+        println!("\n## Commit-to-publish latency (RabbitMQ confirms)\n");
+        println!("| relay woken by, committed by | p50 ms | p99 ms | max ms |");
+        println!("|---|---|---|---|");
+        for (label, sorted) in &latencies {
+            println!(
+                "| {label} | {} | {} | {} |",
+                ms(percentile(sorted, 0.5)),
+                ms(percentile(sorted, 0.99)),
+                ms(*sorted.last().unwrap())
+            );
+        }
+        plot(&latencies);
     }
-    let median = |mut rates: Vec<f64>| {
-        rates.sort_by(f64::total_cmp);
-        rates[1]
-    };
-    let (plain, announcing, quietly) = (
-        median(plain),
-        median(announcing),
-        median(announcing_quietly),
-    );
-    println!("\n## Handler cost ({handled} messages, 8 workers, median of 3 rounds)\n");
-    println!("| handler | messages/s | ratio |");
-    println!("|---|---|---|");
-    println!("| the UPDATE, no outgoing message | {plain:.0} | 1.00 |");
-    println!(
-        "| the UPDATE and one outgoing message (`outbox.send`), with `NOTIFY` | {announcing:.0} | {:.2} |",
-        announcing / plain
-    );
-    println!(
-        "| the same, `with_outbox_notify(false)` (relays that poll) | {quietly:.0} | {:.2} |",
-        quietly / plain
-    );
+
+    if wanted("cost") {
+        // 3. Handler cost.
+        reset(&pool).await;
+        let handled = 20_000;
+        let quiet = inbox.clone().with_outbox_notify(false);
+        let mut rounds: [Vec<f64>; 4] = Default::default();
+        for _ in 0..3 {
+            rounds[0].push(
+                handlers(&inbox, handled, |inbox, msg| async move {
+                    assert!(pay(&inbox, &msg).await.unwrap().is_processed());
+                })
+                .await,
+            );
+            rounds[1].push(
+                handlers(&inbox, handled, |inbox, msg| async move {
+                    assert!(pay_and_announce(&inbox, &msg).await.unwrap().is_processed());
+                })
+                .await,
+            );
+            rounds[2].push(
+                handlers(&quiet, handled, |inbox, msg| async move {
+                    let announced = pay_and_announce_notifying_in_transaction(&inbox, &msg);
+                    assert!(announced.await.unwrap().is_processed());
+                })
+                .await,
+            );
+            rounds[3].push(
+                handlers(&quiet, handled, |inbox, msg| async move {
+                    assert!(pay_and_announce(&inbox, &msg).await.unwrap().is_processed());
+                })
+                .await,
+            );
+        }
+        let [plain, announcing, in_transaction, quietly] = rounds.map(|mut rates| {
+            rates.sort_by(f64::total_cmp);
+            rates[1]
+        });
+        println!("\n## Handler cost ({handled} messages, 8 workers, median of 3 rounds)\n");
+        println!("| handler | messages/s | ratio |");
+        println!("|---|---|---|");
+        println!("| the UPDATE, no outgoing message | {plain:.0} | 1.00 |");
+        for (what, rate) in [
+            (
+                "the UPDATE and one outgoing message (`outbox.send`), relays woken after the commit (the default)",
+                announcing,
+            ),
+            (
+                "the same, `NOTIFY` in the transaction (how relays were woken before)",
+                in_transaction,
+            ),
+            (
+                "the same, `with_outbox_notify(false)` (relays that poll)",
+                quietly,
+            ),
+        ] {
+            println!("| {what} | {rate:.0} | {:.2} |", rate / plain);
+        }
+    }
 }
 
 /// The latencies' distributions, as `docs/bench_outbox.svg`.

@@ -56,6 +56,15 @@ pub(crate) fn continue_from<'h>(span: &tracing::Span, header: impl Fn(&str) -> O
 
 /// Links `span` to the span whose trace context `header` finds, if it finds a valid one: a batch
 /// of messages from several traces is a child of none of them, and linked to each.
+#[cfg_attr(
+    not(any(
+        feature = "rabbitmq",
+        feature = "nats",
+        feature = "kafka",
+        feature = "sqs"
+    )),
+    allow(dead_code)
+)]
 pub(crate) fn link_from<'h>(span: &tracing::Span, header: impl Fn(&str) -> Option<&'h str>) {
     #[cfg(feature = "otel")]
     {

@@ -279,3 +279,49 @@ async fn concurrent_copies_under_serializable_fail_retryably_then_are_duplicates
     assert!(retry.is_duplicate(), "{retry:?}");
     assert_eq!(h.effects("serializable-held").await, 0);
 }
+
+/// Relays that sleep between polls (here an hour) are woken by the `NOTIFY` each commit with
+/// outgoing messages sends after it, coalesced per inbox: 400 commits from 8 workers at once
+/// all reach a listening relay, none left for a poll that does not come; so does a message
+/// queued later with `enqueue` in a transaction of the caller's (its `NOTIFY` sent at its commit).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relays_that_only_listen_are_woken_after_every_commit_of_a_burst() {
+    use std::time::Duration;
+
+    use conformance::{Recorder, until_drained};
+    use idempotent::outbox::{Destination, Outbox, OutgoingMessage, RelayOptions};
+    use support::{Delivery, Harness, Outgoing};
+
+    let h = PgHarness::new().await;
+    let recorder = Recorder::new(Duration::ZERO);
+    let hour = Duration::from_secs(3600);
+    let relay = h.inbox().spawn_relay(
+        recorder.clone(),
+        RelayOptions::default().poll_interval(hour, hour),
+    );
+    for round in 0..2 {
+        let workers = (0..8).map(|worker| {
+            let h = &h;
+            async move {
+                for i in 0..25 {
+                    let msg = Delivery::new(&format!("r{round}-w{worker}-m{i}"))
+                        .sending(Outgoing::default());
+                    assert!(h.deliver_notifier(&msg).await.unwrap().is_processed());
+                }
+            }
+        });
+        futures::future::join_all(workers).await;
+        until_drained(&h).await;
+        // Idle for a while: the relay sleeps.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    let mut tx = h.inbox().pool().begin().await.unwrap();
+    let mut outbox = Outbox::new("checkout", "order-1").unwrap();
+    outbox.send(OutgoingMessage::new(Destination::queue("q"), b"x".to_vec()));
+    h.inbox().enqueue(&mut tx, outbox).await.unwrap();
+    tx.commit().await.unwrap();
+    until_drained(&h).await;
+    let stats = relay.shutdown().await;
+    assert_eq!(stats.published, 401);
+    assert_eq!(recorder.counts().len(), 401);
+}

@@ -8,6 +8,7 @@ use serde::Serialize;
 
 use super::commit::{commit, ended_by_body};
 use super::outgoing::{self, Outbox};
+use super::wakeups::Wakeups;
 use super::{Config, Handled, Inbox};
 use crate::error::{Error, Fault, InboxError, Stage};
 use crate::key::{IdempotencyKey, MessageKey};
@@ -26,6 +27,9 @@ pub struct Claimed<DB: Backend> {
     metrics: Arc<Metrics>,
     /// The messages to write to the outbox at the commit.
     outbox: Outbox,
+    /// What wakes the relays once the messages are committed, and the pool it wakes them on.
+    wakeups: Arc<Wakeups>,
+    pool: sqlx::Pool<DB>,
 }
 
 impl<DB: Backend> Claimed<DB> {
@@ -44,6 +48,8 @@ impl<DB: Backend> Claimed<DB> {
             key,
             config: inbox.config.clone(),
             metrics: inbox.metrics.clone(),
+            wakeups: inbox.wakeups.clone(),
+            pool: inbox.pool.clone(),
         }
     }
 
@@ -115,6 +121,8 @@ impl<DB: Backend> Claimed<DB> {
             config,
             metrics,
             outbox,
+            wakeups,
+            pool,
         } = self;
         #[cfg(feature = "testing")]
         if config.injected == Some(super::config::Injected::CrashBeforeCommit) {
@@ -140,6 +148,9 @@ impl<DB: Backend> Claimed<DB> {
         };
         match &committed {
             Ok(()) => {
+                if !outbox.is_empty() {
+                    wakeups.wake(&pool, &config.statements.outbox);
+                }
                 metrics.message(&consumer, Outcome::Processed, 1);
                 tracing::Span::current().record("outcome", "processed");
                 tracing::debug!(%consumer, key = %key.digest(), "committed");

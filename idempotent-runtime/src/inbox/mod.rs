@@ -31,6 +31,7 @@ pub(crate) mod outgoing;
 mod purge;
 #[cfg(feature = "http")]
 mod try_claim;
+mod wakeups;
 
 pub use claim::{Claim, ClaimOptions};
 pub use claimed::Claimed;
@@ -63,6 +64,8 @@ pub struct Inbox<DB: Backend> {
     /// The keys the HTTP layers made from this inbox are handling.
     #[cfg(feature = "http")]
     pub(crate) in_flight: Arc<crate::in_flight::InFlight>,
+    /// What wakes the relays after commits that wrote outgoing messages.
+    pub(crate) wakeups: Arc<wakeups::Wakeups>,
 }
 
 /// The inbox a handler taking a `&mut C` connection is rewritten to take:
@@ -91,6 +94,7 @@ impl<DB: Backend> Inbox<DB> {
             writers: DB::ONE_WRITER.then(|| Arc::new(Semaphore::new(1))),
             #[cfg(feature = "http")]
             in_flight: Arc::default(),
+            wakeups: Arc::default(),
         }
     }
 
@@ -242,6 +246,7 @@ impl<DB: Backend> Clone for Inbox<DB> {
             writers: self.writers.clone(),
             #[cfg(feature = "http")]
             in_flight: self.in_flight.clone(),
+            wakeups: self.wakeups.clone(),
         }
     }
 }

@@ -301,7 +301,7 @@ pub(crate) fn decode_headers(stored: Option<&[u8]>) -> Vec<(String, String)> {
 /// Writes `outbox`'s messages to the outbox table on `conn`, in the transaction open there: the
 /// messages without an ordering key in their order, then those with one, by key (so that two
 /// transactions take their keys' locks in the same order and never deadlock over them), each key's
-/// in their order; then wakes the relays at the commit, where the database can.
+/// in their order. Whoever commits the transaction wakes the relays.
 pub(crate) async fn write<DB: Backend>(
     conn: &mut DB::Connection,
     statements: &OutboxStatements,
@@ -329,9 +329,6 @@ pub(crate) async fn write<DB: Backend>(
             .await
             .map_err(failed())?;
     }
-    DB::outbox_notify(conn, statements)
-        .await
-        .map_err(failed())?;
     Ok(())
 }
 

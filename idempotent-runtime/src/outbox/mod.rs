@@ -41,13 +41,13 @@ pub use operations::{HeldKey, OutboxRecord, OutboxState, OutboxStats};
 pub use publisher::{Publication, PublishError, Publisher};
 pub use relay::{Relay, RelayOptions, RelayReport, RelayStats};
 
-use crate::error::InboxError;
+use crate::error::{InboxError, Stage};
 use crate::inbox::outgoing;
 use crate::inbox::{Config, Inbox, check_name};
 use crate::key::AsMessageKey;
 use crate::metrics::OutboxMetrics;
 use crate::retention::Retention;
-use crate::store::Backend;
+use crate::store::{Backend, database_error};
 
 impl Outbox {
     /// Creates an empty outbox for a transaction of your own, whose messages' ids derive from
@@ -67,7 +67,8 @@ impl Outbox {
 
 impl<DB: Backend> Inbox<DB> {
     /// Writes `outbox`'s messages to the outbox table on `conn`, in the transaction you have open
-    /// there, so that they commit with it (and, on PostgreSQL, wake the relays when it commits).
+    /// there, so that they commit with it (and, on PostgreSQL, with a `NOTIFY` that wakes the
+    /// relays when it commits).
     /// Outside a transaction each row commits on its own. Refuses the whole outbox, writing
     /// nothing, if a message cannot be sent as it is ([`InboxError::Outgoing`]).
     pub async fn enqueue(
@@ -75,7 +76,15 @@ impl<DB: Backend> Inbox<DB> {
         conn: &mut DB::Connection,
         outbox: Outbox,
     ) -> Result<(), InboxError> {
-        outgoing::write::<DB>(conn, &self.config.statements.outbox, &outbox).await
+        let statements = &self.config.statements.outbox;
+        outgoing::write::<DB>(conn, statements, &outbox).await?;
+        if outbox.is_empty() {
+            return Ok(());
+        }
+        // The commit is yours, so the wake-up goes in your transaction, sent as it commits.
+        DB::outbox_notify(conn, statements)
+            .await
+            .map_err(database_error(Stage::Outbox))
     }
 
     /// Starts a relay of this inbox's outbox: tokio tasks that publish committed outgoing messages
@@ -98,10 +107,11 @@ impl<DB: Backend> Inbox<DB> {
         relay::batch(self, publisher, options, &metrics).await
     }
 
-    /// On PostgreSQL, whether a transaction that writes outgoing messages sends the `NOTIFY` that
-    /// wakes the relays at its commit (default on). Turn it off when every relay only polls
-    /// ([`RelayOptions::listen`] off): PostgreSQL queues each notification at the commit, under a
-    /// lock that commits which notify take in turn, and the statement is one more round trip.
+    /// On PostgreSQL, whether the relays are woken by `NOTIFY` when outgoing messages are
+    /// committed (default on): after a handler's commit, in a statement of its own that one task
+    /// per inbox sends for a burst of commits (see the guide "Outbox"); in your transaction for
+    /// [`enqueue`](Self::enqueue). Turn it off when every relay only polls
+    /// ([`RelayOptions::listen`] off): each `NOTIFY` is one more transaction for the database.
     /// Does nothing on the other databases.
     pub fn with_outbox_notify(self, notify: bool) -> Self {
         self.with_config(|config| {

@@ -31,6 +31,7 @@ pub struct Dialect {
     pub(crate) delete_limit: bool,
     /// Has the server end the connection that sends it (the testing kit's lost connection);
     /// `None` where there is no server (SQLite).
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))]
     pub(crate) end_own_connection: Option<&'static str>,
     /// What the outbox's statements need besides (see [`OutboxDialect`]).
     pub(crate) outbox: OutboxDialect,

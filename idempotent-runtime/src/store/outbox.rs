@@ -394,6 +394,12 @@ impl OutboxStatements {
 
     /// These statements with writers sending the relays' wake-up (where the database has one), or
     /// not.
+    /// The statement that wakes the relays, where the database has one and writers send it: its
+    /// text names the channel.
+    pub(crate) fn wake_up(&self) -> Option<&Arc<str>> {
+        self.notify.as_ref().filter(|_| self.notifies)
+    }
+
     pub(crate) fn notifying(self, notifies: bool) -> Self {
         Self { notifies, ..self }
     }
@@ -452,7 +458,8 @@ pub trait OutboxQueries: Database {
         row: NewRow<'a>,
     ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a;
 
-    /// Wakes the relays when the open transaction commits, where the database can.
+    /// Wakes the relays: at once on a connection outside a transaction, at the commit in one.
+    /// Nothing where the database cannot, or writers do not.
     fn outbox_notify<'a>(
         conn: &'a mut Self::Connection,
         statements: &'a OutboxStatements,
@@ -596,7 +603,7 @@ where
         conn: &mut DB::Connection,
         statements: &OutboxStatements,
     ) -> Result<(), sqlx::Error> {
-        if let Some(notify) = statements.notify.as_ref().filter(|_| statements.notifies) {
+        if let Some(notify) = statements.wake_up() {
             statements
                 .query(AssertSqlSafe(notify.clone()))
                 .execute(conn)
