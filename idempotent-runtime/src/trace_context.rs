@@ -14,17 +14,16 @@ const TRACEPARENT: &str = "traceparent";
 const TRACESTATE: &str = "tracestate";
 
 /// Adds the current span's trace context to `headers` (`traceparent`, and `tracestate` if it has
-/// one), unless they carry a `traceparent` already (a context the caller chose).
+/// one), unless they carry one of the two already (a context the caller chose).
 pub(crate) fn inject_current(headers: &mut Vec<(String, String)>) {
     #[cfg(feature = "otel")]
     {
         use opentelemetry::propagation::TextMapPropagator;
         use tracing_opentelemetry::OpenTelemetrySpanExt;
 
-        if headers
-            .iter()
-            .any(|(name, _)| name.eq_ignore_ascii_case(TRACEPARENT))
-        {
+        if headers.iter().any(|(name, _)| {
+            name.eq_ignore_ascii_case(TRACEPARENT) || name.eq_ignore_ascii_case(TRACESTATE)
+        }) {
             return;
         }
         let context = tracing::Span::current().context();
@@ -93,7 +92,10 @@ struct Injected<'a>(&'a mut Vec<(String, String)>);
 #[cfg(feature = "otel")]
 impl opentelemetry::propagation::Injector for Injected<'_> {
     fn set(&mut self, key: &str, value: String) {
-        self.0.push((key.to_owned(), value));
+        // The propagator writes an empty `tracestate` when the span has none.
+        if !value.is_empty() {
+            self.0.push((key.to_owned(), value));
+        }
     }
 }
 

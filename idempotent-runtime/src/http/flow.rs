@@ -44,6 +44,9 @@ const STORE_TRIES: Duration = Duration::from_secs(60);
 const FIRST_PAUSE: Duration = Duration::from_millis(5);
 const LONGEST_PAUSE: Duration = Duration::from_millis(50);
 
+/// The longest a twin waits, whatever the patience: a century.
+const FOR_EVER: Duration = Duration::from_secs(100 * 365 * 24 * 60 * 60);
+
 /// The name of the pending call a leased route records per request.
 const CALL_NAME: &str = "http";
 
@@ -93,9 +96,11 @@ where
             .and_then(|value| value.to_str().ok())
     });
     let inbox = &shared.inbox;
-    let waits_until = config
-        .wait_for_first
-        .map(|patience| Instant::now() + patience);
+    let waits_until = config.wait_for_first.map(|patience| {
+        // A patience past what an instant holds (`Duration::MAX`): as good as for ever.
+        let now = Instant::now();
+        now.checked_add(patience).unwrap_or(now + FOR_EVER)
+    });
     let (table, consumer) = (inbox.table().as_str(), &*config.consumer);
     let entered = match waits_until {
         None => inbox
@@ -249,7 +254,9 @@ impl<DB: HttpBackend> Run<DB> {
             }
             return Some(Err(Rejection::InFlight { retry_after }));
         };
-        tokio::time::sleep(self.pause.min(retry_after).min(left)).await;
+        // Not past the first's lease (it may run out sooner), nor below the first pause.
+        let pause = self.pause.min(retry_after.max(FIRST_PAUSE)).min(left);
+        tokio::time::sleep(pause).await;
         self.pause = (self.pause * 2).min(LONGEST_PAUSE);
         None
     }

@@ -52,8 +52,10 @@ impl Wakeups {
             return;
         }
         let (pool, statements) = (pool.clone(), statements.clone());
+        // Made before the task: a task dropped before it first runs (its runtime shutting down)
+        // drops it too, and the channel is idle again.
+        let mut sending = Sending { state, done: false };
         tokio::spawn(async move {
-            let mut sending = Sending { state, done: false };
             loop {
                 match pool.acquire().await {
                     Ok(mut conn) => {
@@ -66,7 +68,7 @@ impl Wakeups {
                     }
                 }
                 if !sent(&sending.state) {
-                    sending.done = true;
+                    sending.finish();
                     return;
                 }
                 // Commits keep coming: the relays are awake, or woken by the one just sent.
@@ -76,11 +78,18 @@ impl Wakeups {
     }
 }
 
-/// A task sending a channel's `NOTIFY`s. One that ends before it is done (its runtime shut down)
-/// leaves the channel idle, so that a later commit sends again.
+/// A task sending a channel's `NOTIFY`s. One that ends before it is done (its runtime shut down,
+/// before or while it ran) leaves the channel idle, so that a later commit sends again.
 struct Sending {
     state: Arc<AtomicU8>,
     done: bool,
+}
+
+impl Sending {
+    /// Nothing more to send: the channel is idle already.
+    fn finish(&mut self) {
+        self.done = true;
+    }
 }
 
 impl Drop for Sending {
