@@ -34,7 +34,7 @@ impl Publisher for Broker {
         }
         tokio::time::sleep(Duration::from_millis(3)).await;
         self.in_flight.lock().unwrap().remove(key);
-        let flip = self.coin.fetch_add(1, Ordering::SeqCst) % 2 == 0;
+        let flip = self.coin.fetch_add(1, Ordering::SeqCst).is_multiple_of(2);
         if self.closed.load(Ordering::SeqCst) && (n == 2 || n == 4) && flip {
             return Err(PublishError::rejected("closed"));
         }
@@ -115,7 +115,7 @@ async fn operators_racing_running_relays_keep_each_key_in_order() {
         for held in inbox.held_keys(None, 100).await.unwrap() {
             turn += 1;
             let row = held.parked.row;
-            if turn % 3 == 0 {
+            if turn.is_multiple_of(3) {
                 if inbox.skip_parked(row).await.unwrap() {
                     skipped_by_us.insert(row);
                 }
