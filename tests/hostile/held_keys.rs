@@ -1,6 +1,9 @@
 //! Hostile tests of parked messages holding their ordering key (`parked_holds_key`,
 //! `skip_parked`, `retry_parked`, `held_keys`) on PostgreSQL, with relays running meanwhile.
 
+#[path = "schema.rs"]
+mod schema;
+
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -11,8 +14,8 @@ use idempotent::outbox::{
     Destination, Outbox, OutboxState, OutgoingMessage, Publication, PublishError, Publisher,
     RelayOptions,
 };
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{ConnectOptions, Postgres};
+use sqlx::Postgres;
+use sqlx::postgres::PgPoolOptions;
 
 /// Refuses the messages `<key>:2` and `<key>:4` while `closed`, half of the time; records what it
 /// confirmed and any key published twice at once.
@@ -44,15 +47,7 @@ impl Publisher for Broker {
 }
 
 async fn inbox(connections: u32) -> Inbox<Postgres> {
-    let url = std::env::var("IDEMPOTENT_PG_URL").expect("IDEMPOTENT_PG_URL");
-    let options: PgConnectOptions = url.parse().unwrap();
-    let schema = format!("hostile_{}", uuid::Uuid::new_v4().simple());
-    let mut admin = options.connect().await.unwrap();
-    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
-        .execute(&mut admin)
-        .await
-        .unwrap();
-    let options = options.options([("search_path", schema.as_str())]);
+    let options = schema::fresh_schema().await;
     let pool = PgPoolOptions::new()
         .max_connections(connections)
         .connect_with(options)

@@ -1,6 +1,9 @@
 //! Hostile tests of `IdempotencyLayer::wait_for_first`: twins that wait, from the public API,
 //! against PostgreSQL (`IDEMPOTENT_PG_URL`, a fresh schema per test) and SQLite.
 
+#[path = "schema.rs"]
+mod schema;
+
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -12,8 +15,8 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::routing::post;
 use idempotent::http::{IdempotencyLayer, IdempotentTx, RequestKey};
+use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{ConnectOptions, PgPool};
 
 fn scope(_: &axum::http::request::Parts) -> Option<String> {
     Some("client".into())
@@ -88,17 +91,7 @@ struct Pg {
 
 impl Pg {
     async fn new() -> Self {
-        let url = std::env::var("IDEMPOTENT_PG_URL").expect("IDEMPOTENT_PG_URL");
-        let options: PgConnectOptions = url.parse().unwrap();
-        let schema = format!("hostile_{}", uuid::Uuid::new_v4().simple());
-        let mut admin = options.connect().await.unwrap();
-        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
-            .execute(&mut admin)
-            .await
-            .unwrap();
-        let options = options
-            .options([("search_path", schema.as_str())])
-            .application_name(&schema);
+        let options = schema::fresh_schema().await;
         let pg = Self { options };
         let pool = pg.pool(4).await;
         sqlx::query("CREATE TABLE effects (id bigserial primary key, label text)")

@@ -2,6 +2,9 @@
 //! after the commit by one task per inbox and channel): relays that poll once an hour must still
 //! get every message promptly.
 
+#[path = "schema.rs"]
+mod schema;
+
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -10,7 +13,7 @@ use idempotent::outbox::{
     Destination, OutgoingMessage, Publication, PublishError, Publisher, RelayOptions,
 };
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{ConnectOptions, PgPool, Postgres};
+use sqlx::{PgPool, Postgres};
 
 #[derive(Default)]
 struct Recorder {
@@ -40,17 +43,7 @@ fn hourly() -> RelayOptions {
 }
 
 async fn schema() -> PgConnectOptions {
-    let url = std::env::var("IDEMPOTENT_PG_URL").expect("IDEMPOTENT_PG_URL");
-    let options: PgConnectOptions = url.parse().unwrap();
-    let schema = format!("hostile_{}", uuid::Uuid::new_v4().simple());
-    let mut admin = options.connect().await.unwrap();
-    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
-        .execute(&mut admin)
-        .await
-        .unwrap();
-    options
-        .options([("search_path", schema.as_str())])
-        .application_name(&schema)
+    schema::fresh_schema().await
 }
 
 async fn pool(options: &PgConnectOptions, connections: u32) -> PgPool {
