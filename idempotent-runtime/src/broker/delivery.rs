@@ -20,6 +20,12 @@ pub(crate) trait Delivery: Send + 'static {
     /// then acknowledges it. An error leaves the delivery unsettled.
     fn settle(&self, route: &Route) -> impl Future<Output = Result<(), BrokerError>> + Send;
 
+    /// Whether [`settle`](Self::settle) parked the delivery for an operator rather than settle it
+    /// by its route (the Kafka runner's [`hold_partition_on_failure`](super::kafka::Runner::hold_partition_on_failure)).
+    fn parked(&self) -> bool {
+        false
+    }
+
     /// Hands the delivery back to the broker, to be delivered again (after `after`, where the
     /// broker can wait).
     fn release(self, after: Duration) -> impl Future<Output = ()> + Send;

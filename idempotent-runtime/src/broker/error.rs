@@ -57,6 +57,13 @@ pub enum BrokerError {
         /// Why.
         reason: String,
     },
+    /// An operator asked to retry or skip a held partition that is not held (Kafka's
+    /// [`HeldPartitions`](super::kafka::HeldPartitions)), or the group holds none.
+    #[error("nothing to do: {reason}")]
+    NotHeld {
+        /// Why, for a person to read.
+        reason: String,
+    },
 }
 
 impl BrokerError {

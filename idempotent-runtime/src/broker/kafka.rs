@@ -86,11 +86,14 @@ pub use rdkafka::ClientConfig;
 mod context;
 mod dead_letters;
 mod delivery;
+mod holds;
 mod partitions;
 mod publisher;
+mod reading;
 mod topics;
 
 pub use dead_letters::DeadLetterQueue;
+pub use holds::{Asked, COMMAND_HEADER, HOLD_HEADER, HeldPartition, HeldPartitions, holds_topic};
 pub use publisher::OutboxPublisher;
 
 use std::fmt;
@@ -140,6 +143,7 @@ pub struct Runner {
     dead_letters: String,
     retry_prefix: Option<String>,
     message_id_header: String,
+    hold_on_failure: bool,
     options: RunnerOptions,
 }
 
@@ -172,6 +176,7 @@ impl Runner {
             dead_letters: dead_letters.into(),
             retry_prefix: None,
             message_id_header: MESSAGE_ID_HEADER.to_owned(),
+            hold_on_failure: false,
             options: RunnerOptions::default(),
         }
     }
@@ -185,6 +190,34 @@ impl Runner {
     /// Takes the message id, the key, from header `name` (default [`MESSAGE_ID_HEADER`]).
     pub fn message_id_header(mut self, name: impl Into<String>) -> Self {
         self.message_id_header = name.into();
+        self
+    }
+
+    /// Keeps each partition in order through failures: a record that fails holds back the rest of
+    /// its partition (the other partitions go on) until it succeeds, or an operator skips it.
+    ///
+    /// - Retries wait in place, for the policy's delay (no retry topics: the partition waits).
+    /// - A record that would be dead-lettered (a failure that is not retryable, the last attempt,
+    ///   no key) is parked instead: its offset is not committed, nothing after it in its
+    ///   partition is handed out, and the runner announces the hold on the group's holds topic,
+    ///   `<group>.holds` (one partition, compacted, made at start), counted in
+    ///   [`RunnerStats::held`].
+    /// - An operator lists the holds and retries or skips each with [`HeldPartitions`] (the
+    ///   `idempotent kafka held | retry | skip` command): a retry runs the record again now, as
+    ///   its next attempt (held again if it fails again); a skip dead-letters it with the
+    ///   operator's reason and the partition goes on. The runner follows the holds topic and acts
+    ///   within moments.
+    /// - A held partition stays held across restarts and rebalances: its committed offset is the
+    ///   parked record's, so whoever consumes it next runs that record again, and holds it again
+    ///   if it fails (a new hold); a skip asked while no runner held it is done when the record
+    ///   fails again.
+    /// - Batches take one record per partition (a batch's records of one partition could
+    ///   otherwise succeed after an earlier one failed).
+    ///
+    /// Records of one key keep their order only as far as they share a partition: hold
+    /// partitions when your producers key by what must stay in order.
+    pub fn hold_partition_on_failure(mut self) -> Self {
+        self.hold_on_failure = true;
         self
     }
 
@@ -213,12 +246,17 @@ impl Runner {
         PF: Future<Output = W> + Send + 'static,
     {
         let shutdown = self.options.shutdown.clone();
-        let retry = RetryTopics::new(
-            self.retry_prefix
-                .clone()
-                .unwrap_or_else(|| format!("{}.retry", self.group)),
-            &self.options.retry,
-        );
+        // Holding partitions, retries wait in place: no retry topics.
+        let retry = if self.hold_on_failure {
+            RetryTopics::default()
+        } else {
+            RetryTopics::new(
+                self.retry_prefix
+                    .clone()
+                    .unwrap_or_else(|| format!("{}.retry", self.group)),
+                &self.options.retry,
+            )
+        };
         let producer: FutureProducer = producer_config(&self.client, self.options.publish_timeout)
             .create()
             .map_err(BrokerError::broker)?;
@@ -234,8 +272,17 @@ impl Runner {
         if shutdown.is_cancelled() {
             return Ok(self.options.counters.snapshot());
         }
+        let holds = if self.hold_on_failure {
+            let holds = holds::Holds::start(&self.client, &producer, &self.group).await?;
+            Some(Arc::new(holds))
+        } else {
+            None
+        };
+        // Holding partitions, a unit takes one record of each: a later record of a batch must not
+        // succeed when an earlier one failed.
+        let per_unit = if holds.is_some() { 1 } else { take.most };
         let partitions = Arc::new(Mutex::new(Partitions::new(
-            take.most,
+            per_unit,
             HeldLimit {
                 records: (take.most * 2).max(PAUSE_ABOVE),
                 bytes: PAUSE_ABOVE_BYTES,
@@ -273,6 +320,11 @@ impl Runner {
             dead_letters: self.dead_letters.clone(),
             message_id_header: self.message_id_header.clone(),
             publish_timeout: self.options.publish_timeout,
+            counters: self.options.counters.clone(),
+            holds: holds.clone(),
+        });
+        let following = holds.map(|holds| {
+            tokio::spawn(holds.follow(settling.clone(), shutdown.child_token()))
         });
         let fetch = Fetch {
             settling: settling.clone(),
@@ -289,7 +341,11 @@ impl Runner {
             closing.partitions().close_unit();
             process(worker, unit)
         };
-        let driven = drive(deliveries, shutdown, workers, take, process).await;
+        let driven = drive(deliveries, shutdown.clone(), workers, take, process).await;
+        if let Some(following) = following {
+            following.abort();
+            let _ = following.await;
+        }
         // What was fetched and not started is fetched again by whoever consumes next; what is done
         // is committed, and the consumer leaves its group.
         settling.partitions().clear();
@@ -414,10 +470,7 @@ impl Fetch {
             };
             self.apply(change);
             if let Some(lease) = lease {
-                return Ok(KafkaDelivery {
-                    lease,
-                    settling: self.settling.clone(),
-                });
+                return Ok(KafkaDelivery::new(lease, self.settling.clone()));
             }
             let consumer = self.settling.consumer.clone();
             let received = tokio::select! {

@@ -63,6 +63,7 @@ impl Settler {
         }
         let held = message.map_or("", |message| message.message_id.0.as_str());
         match delivery.settle(&route).await {
+            Ok(()) if delivery.parked() => self.counters.count_held(),
             Ok(()) => {
                 self.counters.count(&route, duplicate);
                 self.held.forget(held);

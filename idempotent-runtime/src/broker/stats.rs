@@ -20,6 +20,10 @@ pub struct RunnerStats {
     /// retry or dead letter could not be published (refused, unroutable, not confirmed within the
     /// publish timeout, or the connection was lost).
     pub released: u64,
+    /// Deliveries parked for an operator, holding back the rest of their partition (the Kafka
+    /// runner's [`hold_partition_on_failure`](super::kafka::Runner::hold_partition_on_failure)),
+    /// where they would have been dead-lettered.
+    pub held: u64,
     /// Times the runner got its broker back after losing it (a reconnect).
     pub reconnects: u64,
 }
@@ -32,6 +36,7 @@ pub(crate) struct Counters {
     retried: AtomicU64,
     dead_lettered: AtomicU64,
     released: AtomicU64,
+    held: AtomicU64,
     reconnects: AtomicU64,
 }
 
@@ -52,6 +57,11 @@ impl Counters {
         self.released.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// Counts a delivery parked for an operator.
+    pub(crate) fn count_held(&self) {
+        self.held.fetch_add(1, Ordering::Relaxed);
+    }
+
     /// Counts a reconnect.
     pub(crate) fn count_reconnect(&self) {
         self.reconnects.fetch_add(1, Ordering::Relaxed);
@@ -65,6 +75,7 @@ impl Counters {
             retried: self.retried.load(Ordering::Relaxed),
             dead_lettered: self.dead_lettered.load(Ordering::Relaxed),
             released: self.released.load(Ordering::Relaxed),
+            held: self.held.load(Ordering::Relaxed),
             reconnects: self.reconnects.load(Ordering::Relaxed),
         }
     }

@@ -1,27 +1,21 @@
 //! A Kafka dead-letter topic as an operator reads it, and putting its records back on the topics
 //! they came from. Kafka deletes no record: what was put back is noted on a topic of its own.
 
-use std::collections::{HashMap, HashSet};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::collections::HashSet;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use rdkafka::consumer::{BaseConsumer, Consumer as _};
 use rdkafka::message::{Header, Headers as _, OwnedHeaders, OwnedMessage};
 use rdkafka::producer::{FutureProducer, FutureRecord};
-use rdkafka::{ClientConfig, Message as _, Offset, TopicPartitionList};
+use rdkafka::{ClientConfig, Message as _};
 
 use super::{
     ATTEMPTS_HEADER, MESSAGE_ID_HEADER, REASON_HEADER, TOPIC_HEADER, producer_config, topics,
 };
+use super::reading::{ANSWER_WITHIN, Reader, partitions, read};
 use super::{delivery::header, produce};
 use crate::broker::dead_letters::{DeadLetter, DeadLetterFilter};
 use crate::broker::error::BrokerError;
 
-/// The most records one listing or redrive reads.
-const MOST_READ: usize = 100_000;
-/// How long one request to the cluster may take.
-const ANSWER_WITHIN: Duration = Duration::from_secs(10);
-/// How long reading a whole topic may take.
-const READ_WITHIN: Duration = Duration::from_secs(60);
 /// The header, on the topic of what was put back, that names where a dead letter went.
 const REDRIVEN_TO_HEADER: &str = "idempotent-redriven-to";
 
@@ -194,7 +188,7 @@ impl DeadLetterQueue {
         if existing.contains_key(&redriven) {
             return Ok(());
         }
-        match topics::make(&self.client, producer, &[&redriven], 1, brokers)
+        match topics::make(&self.client, producer, &[&redriven], 1, brokers, &[])
             .await
             .pop()
         {
@@ -208,16 +202,7 @@ impl DeadLetterQueue {
 
     /// Reads the dead letters not yet put back, oldest first, with the reader that read them.
     async fn read_all(&self) -> Result<(Vec<Read>, Reader), BrokerError> {
-        let mut config = self.client.clone();
-        config
-            .set("group.id", format!("{}.reader", self.topic))
-            .set("enable.auto.commit", "false")
-            .set("enable.auto.offset.store", "false")
-            .set("enable.partition.eof", "false")
-            .set("allow.auto.create.topics", "false");
-        let reader = Reader(std::sync::Arc::new(
-            config.create().map_err(BrokerError::broker)?,
-        ));
+        let reader = Reader::new(&self.client, format!("{}.reader", self.topic))?;
         let Some(records) = read(&reader, &self.topic).await? else {
             return Err(BrokerError::DeadLetterTarget {
                 target: self.topic.clone(),
@@ -244,101 +229,6 @@ impl DeadLetterQueue {
         });
         Ok((read, reader))
     }
-}
-
-/// A consumer that reads topics by assigning their partitions itself.
-#[derive(Clone)]
-struct Reader(std::sync::Arc<BaseConsumer>);
-
-/// The partitions of `topic`; `None` when the cluster has no such topic.
-async fn partitions(reader: &Reader, topic: &str) -> Result<Option<Vec<i32>>, BrokerError> {
-    let (reader, topic) = (reader.clone(), topic.to_owned());
-    blocking(move || {
-        let metadata = reader
-            .0
-            .fetch_metadata(Some(&topic), ANSWER_WITHIN)
-            .map_err(BrokerError::broker)?;
-        let found = metadata
-            .topics()
-            .iter()
-            .find(|found| found.name() == topic && found.error().is_none())
-            .filter(|found| !found.partitions().is_empty());
-        Ok(found.map(|found| found.partitions().iter().map(|p| p.id()).collect()))
-    })
-    .await
-}
-
-/// Every record of `topic`, up to [`MOST_READ`]; `None` when the cluster has no such topic.
-async fn read(reader: &Reader, topic: &str) -> Result<Option<Vec<OwnedMessage>>, BrokerError> {
-    let Some(partitions) = partitions(reader, topic).await? else {
-        return Ok(None);
-    };
-    let (reader, topic) = (reader.clone(), topic.to_owned());
-    blocking(move || {
-        let mut assigned = TopicPartitionList::new();
-        // Where each partition's reading is, and where it ends.
-        let mut next: HashMap<i32, (i64, i64)> = HashMap::new();
-        for partition in partitions {
-            let (low, high) = reader
-                .0
-                .fetch_watermarks(&topic, partition, ANSWER_WITHIN)
-                .map_err(BrokerError::broker)?;
-            if high > low {
-                assigned
-                    .add_partition_offset(&topic, partition, Offset::Offset(low))
-                    .map_err(BrokerError::broker)?;
-                next.insert(partition, (low, high));
-            }
-        }
-        let mut records = Vec::new();
-        if next.is_empty() {
-            return Ok(Some(records));
-        }
-        reader.0.assign(&assigned).map_err(BrokerError::broker)?;
-        let started = Instant::now();
-        while next.values().any(|(at, end)| at < end) && records.len() < MOST_READ {
-            if started.elapsed() > READ_WITHIN {
-                return Err(BrokerError::Timeout {
-                    what: "the reading of a dead-letter topic",
-                    after: READ_WITHIN,
-                });
-            }
-            match reader.0.poll(Duration::from_millis(500)) {
-                Some(Ok(record)) => {
-                    if let Some((at, end)) = next.get_mut(&record.partition())
-                        && record.offset() < *end
-                    {
-                        *at = (*at).max(record.offset() + 1);
-                        records.push(record.detach());
-                    }
-                }
-                Some(Err(error)) => return Err(BrokerError::broker(error)),
-                // Past offsets that hold no record (a transaction's markers): the position says.
-                None => {
-                    let position = reader.0.position().map_err(BrokerError::broker)?;
-                    for element in position.elements() {
-                        if let (Some((at, _)), Offset::Offset(offset)) =
-                            (next.get_mut(&element.partition()), element.offset())
-                        {
-                            *at = (*at).max(offset);
-                        }
-                    }
-                }
-            }
-        }
-        reader.0.unassign().map_err(BrokerError::broker)?;
-        Ok(Some(records))
-    })
-    .await
-}
-
-/// Runs the client's blocking `work` off the runtime's threads.
-async fn blocking<T: Send + 'static>(
-    work: impl FnOnce() -> Result<T, BrokerError> + Send + 'static,
-) -> Result<T, BrokerError> {
-    tokio::task::spawn_blocking(work)
-        .await
-        .map_err(BrokerError::broker)?
 }
 
 /// What the runner wrote on the dead letter `record`.

@@ -1,6 +1,7 @@
 //! One Kafka record as the shared driver handles it: its message, and how it is settled (its
 //! offset stored for the next commit, after its retry or dead letter is on its topic).
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -14,7 +15,9 @@ use super::super::delivery::Delivery;
 use super::super::error::BrokerError;
 use super::super::message::{Message, MessageId, Redelivered, StreamSequence};
 use super::super::route::Route;
+use super::super::stats::Counters;
 use super::context::RunnerContext;
+use super::holds::{Holds, skipped_reason};
 use super::partitions::{Lease, Partitions};
 use super::topics::RetryTopics;
 use super::{
@@ -33,6 +36,11 @@ pub(super) struct Settling {
     pub(super) dead_letters: String,
     pub(super) message_id_header: String,
     pub(super) publish_timeout: Duration,
+    pub(super) counters: Arc<Counters>,
+    /// With [`Runner::hold_partition_on_failure`](super::Runner::hold_partition_on_failure): the
+    /// runner's held partitions. Retries then wait in place, and a record that would be
+    /// dead-lettered is parked.
+    pub(super) holds: Option<Arc<Holds>>,
 }
 
 impl Settling {
@@ -45,6 +53,8 @@ impl Settling {
 pub(super) struct KafkaDelivery {
     pub(super) lease: Lease,
     pub(super) settling: Arc<Settling>,
+    /// Parked for an operator by its settling.
+    parked: AtomicBool,
 }
 
 /// The value of the last header `name` of `record`, when it is text.
@@ -58,6 +68,14 @@ pub(super) fn header<'a>(record: &'a OwnedMessage, name: &str) -> Option<&'a str
 }
 
 impl KafkaDelivery {
+    pub(super) fn new(lease: Lease, settling: Arc<Settling>) -> Self {
+        Self {
+            lease,
+            settling,
+            parked: AtomicBool::new(false),
+        }
+    }
+
     fn header(&self, name: &str) -> Option<&str> {
         header(&self.lease.record, name)
     }
@@ -99,6 +117,38 @@ impl KafkaDelivery {
         .await
     }
 
+    /// Where the record first came from: a retry keeps the topic it was retried from.
+    fn source(&self) -> String {
+        let topic = self.lease.record.topic();
+        match self.header(TOPIC_HEADER) {
+            Some(source) if self.settling.retry.contains(topic) => source.to_owned(),
+            _ => topic.to_owned(),
+        }
+    }
+
+    /// Produces the record to the dead-letter topic with `route`'s reason and attempts, and then
+    /// settles it.
+    pub(super) async fn dead_letter(&self, route: &Route) -> Result<(), BrokerError> {
+        let Route::DeadLetter { reason, attempts } = route else {
+            unreachable!("a dead letter's route")
+        };
+        let record = &self.lease.record;
+        self.publish(
+            "dead letter",
+            &self.settling.dead_letters,
+            &[
+                (REASON_HEADER, reason.clone()),
+                (ATTEMPTS_HEADER, attempts.to_string()),
+                (TOPIC_HEADER, self.source()),
+                (PARTITION_HEADER, record.partition().to_string()),
+                (OFFSET_HEADER, record.offset().to_string()),
+            ],
+        )
+        .await?;
+        self.done();
+        Ok(())
+    }
+
     /// The record is settled: its offset goes to the next commit once every earlier one of its
     /// partition is settled too.
     fn done(&self) {
@@ -135,7 +185,10 @@ impl Delivery for KafkaDelivery {
             .header(name)
             .filter(|id| !id.is_empty())
             .ok_or_else(|| format!("the record has no {name} header: it has no key"))?;
-        let attempt = if self.settling.retry.contains(record.topic()) {
+        let attempt = if let Some(attempt) = self.lease.attempt {
+            // Retried in place by this runner.
+            attempt
+        } else if self.settling.retry.contains(record.topic()) {
             self.header(ATTEMPT_HEADER)
                 .and_then(|attempt| attempt.parse::<u32>().ok())
                 .filter(|attempt| *attempt >= 1)
@@ -172,11 +225,34 @@ impl Delivery for KafkaDelivery {
 
     async fn settle(&self, route: &Route) -> Result<(), BrokerError> {
         let record = &self.lease.record;
-        // Where the record first came from: a retry keeps the topic it was retried from.
-        let source = match self.header(TOPIC_HEADER) {
-            Some(source) if self.settling.retry.contains(record.topic()) => source.to_owned(),
-            _ => record.topic().to_owned(),
-        };
+        if let Some(holds) = &self.settling.holds {
+            match route {
+                Route::Ack => {}
+                Route::Retry { attempt, after } => {
+                    // In place: the rest of the partition waits for it.
+                    let mut lease = self.lease.clone();
+                    lease.attempt = Some(*attempt);
+                    let due = tokio::time::Instant::now() + *after;
+                    self.settling.partitions().handed_back(lease, due);
+                    self.settling.wake.notify_one();
+                    return Ok(());
+                }
+                Route::DeadLetter { reason, attempts } => {
+                    let partition = &self.lease.partition;
+                    let Some(skipped) = holds.skipped(partition, record.offset()) else {
+                        holds.park(self, reason, *attempts).await?;
+                        self.parked.store(true, Ordering::Relaxed);
+                        self.settling.wake.notify_one();
+                        return Ok(());
+                    };
+                    let route = Route::DeadLetter {
+                        reason: skipped_reason(&skipped, reason),
+                        attempts: *attempts,
+                    };
+                    return self.dead_letter(&route).await;
+                }
+            }
+        }
         match route {
             Route::Ack => {}
             Route::Retry { attempt, after } => {
@@ -196,28 +272,19 @@ impl Delivery for KafkaDelivery {
                     &[
                         (ATTEMPT_HEADER, attempt.to_string()),
                         (DUE_HEADER, due.to_string()),
-                        (TOPIC_HEADER, source),
+                        (TOPIC_HEADER, self.source()),
                     ],
                 )
                 .await?;
             }
-            Route::DeadLetter { reason, attempts } => {
-                self.publish(
-                    "dead letter",
-                    &self.settling.dead_letters,
-                    &[
-                        (REASON_HEADER, reason.clone()),
-                        (ATTEMPTS_HEADER, attempts.to_string()),
-                        (TOPIC_HEADER, source),
-                        (PARTITION_HEADER, record.partition().to_string()),
-                        (OFFSET_HEADER, record.offset().to_string()),
-                    ],
-                )
-                .await?;
-            }
+            Route::DeadLetter { .. } => return self.dead_letter(route).await,
         }
         self.done();
         Ok(())
+    }
+
+    fn parked(&self) -> bool {
+        self.parked.load(Ordering::Relaxed)
     }
 
     async fn release(self, after: Duration) {

@@ -13,6 +13,9 @@
 //! - The offset a partition commits is its lowest unfinished record's (in flight, or held here),
 //!   or past its highest settled one when none is unfinished: a later record's commit never passes
 //!   an earlier unfinished one.
+//! - A record parked for an operator (a runner that holds a partition on failure) is never due:
+//!   it holds back the rest of its partition until it is retried ([`Partitions::unpark`]) or taken
+//!   to be dead-lettered ([`Partitions::take_parked`]).
 //! - A revoked partition is forgotten: what was held is dropped (its new owner fetches it from the
 //!   committed offset), and what was in flight settles without committing.
 
@@ -30,11 +33,13 @@ pub(super) struct TopicPartition {
 }
 
 /// A record handed to a worker: where it came from, and which hold on its partition it belongs to.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(super) struct Lease {
     pub(super) partition: TopicPartition,
     pub(super) hold: u64,
     pub(super) record: OwnedMessage,
+    /// The attempt it is when the runner retries it in place; `None`: as its topic says.
+    pub(super) attempt: Option<u32>,
 }
 
 /// What the consumer must do after a change: pause or resume fetching a partition.
@@ -48,6 +53,9 @@ pub(super) enum Fetching {
 struct Held {
     offset: i64,
     due: Option<Instant>,
+    /// Parked for an operator: never due.
+    parked: bool,
+    attempt: Option<u32>,
     record: OwnedMessage,
     /// The bytes it holds (key, payload and headers), counted once: what holding it adds to its
     /// partition's bytes is what handing it out takes away.
@@ -69,6 +77,8 @@ impl Held {
         Self {
             offset,
             due,
+            parked: false,
+            attempt: None,
             record,
             size,
         }
@@ -251,10 +261,9 @@ impl Partitions {
                 .get_mut(key)
                 .expect("ordered partitions are held");
             let ready = partition.free_for(self.unit, self.per_unit)
-                && partition
-                    .held
-                    .front()
-                    .is_some_and(|held| held.due.is_none_or(|due| due <= now));
+                && partition.held.front().is_some_and(|held| {
+                    !held.parked && held.due.is_none_or(|due| due <= now)
+                });
             if !ready {
                 continue;
             }
@@ -271,6 +280,7 @@ impl Partitions {
                 partition: key.clone(),
                 hold: partition.hold,
                 record: held.record,
+                attempt: held.attempt,
             };
             return Some((lease, resume));
         }
@@ -316,6 +326,16 @@ impl Partitions {
     /// Takes back a record a worker could not settle, to be handed out again at `due`, before the
     /// rest of its partition.
     pub(super) fn handed_back(&mut self, lease: Lease, due: Instant) {
+        self.put_back(lease, Some(due), false);
+    }
+
+    /// Takes back a record that failed for good, parked before the rest of its partition until an
+    /// operator retries or skips it.
+    pub(super) fn park(&mut self, lease: Lease) {
+        self.put_back(lease, None, true);
+    }
+
+    fn put_back(&mut self, lease: Lease, due: Option<Instant>, parked: bool) {
         use rdkafka::Message as _;
         let Some(partition) = self
             .partitions
@@ -326,8 +346,47 @@ impl Partitions {
         };
         let offset = lease.record.offset();
         if partition.in_flight.remove(&offset) {
-            partition.insert_held(Held::new(offset, Some(due), lease.record));
+            let mut held = Held::new(offset, due, lease.record);
+            held.parked = parked;
+            held.attempt = lease.attempt;
+            partition.insert_held(held);
         }
+    }
+
+    /// Makes the record parked at `offset` of `partition` due at once, as attempt `attempt`;
+    /// whether one was parked there.
+    pub(super) fn unpark(&mut self, partition: &TopicPartition, offset: i64, attempt: u32) -> bool {
+        let front = self
+            .partitions
+            .get_mut(partition)
+            .and_then(|partition| partition.held.front_mut())
+            .filter(|front| front.parked && front.offset == offset);
+        let Some(front) = front else { return false };
+        front.parked = false;
+        front.due = None;
+        front.attempt = Some(attempt);
+        true
+    }
+
+    /// Takes the record parked at `offset` of `partition` in flight (to be dead-lettered and
+    /// settled, or parked again), if one is parked there.
+    pub(super) fn take_parked(&mut self, partition: &TopicPartition, offset: i64) -> Option<Lease> {
+        let entry = self.partitions.get_mut(partition)?;
+        if !entry
+            .held
+            .front()
+            .is_some_and(|front| front.parked && front.offset == offset)
+        {
+            return None;
+        }
+        let held = entry.take_held();
+        entry.in_flight.insert(held.offset);
+        Some(Lease {
+            partition: partition.clone(),
+            hold: entry.hold,
+            record: held.record,
+            attempt: held.attempt,
+        })
     }
 
     /// Forgets `revoked` partitions; returns those whose fetching was paused.
@@ -392,8 +451,9 @@ mod tests {
         }
     }
 
+    use rdkafka::Message as _;
+
     fn take(partitions: &mut Partitions, now: Instant) -> Option<(i32, i64, u64)> {
-        use rdkafka::Message as _;
         partitions
             .next_due(now)
             .map(|(lease, _)| (lease.partition.partition, lease.record.offset(), lease.hold))
@@ -492,6 +552,38 @@ mod tests {
         assert_eq!(partitions.next_wake(), Some(now + Duration::from_secs(1)));
         let later = now + Duration::from_secs(1);
         assert_eq!(take(&mut partitions, later).map(|t| t.1), Some(0));
+    }
+
+    #[test]
+    fn a_parked_record_holds_its_partition_until_it_is_unparked_or_taken() {
+        let now = Instant::now();
+        let mut partitions = Partitions::new(1, records(100));
+        for offset in 0..3 {
+            partitions.fetched(tp(0), record(0, offset), None);
+        }
+        partitions.fetched(tp(1), record(1, 0), None);
+        let (lease, _) = partitions.next_due(now).unwrap();
+        assert_eq!(lease.partition, tp(0));
+        partitions.park(lease);
+        let later = now + Duration::from_secs(3600);
+        assert_eq!(
+            take(&mut partitions, later).map(|t| (t.0, t.1)),
+            Some((1, 0)),
+            "the other partition goes on"
+        );
+        assert_eq!(take(&mut partitions, later), None, "0:0 is parked, 0:1 waits");
+        assert_eq!(partitions.next_wake(), None, "a parked record is never due");
+        assert!(!partitions.unpark(&tp(0), 1, 2), "not parked at 1");
+        assert!(partitions.unpark(&tp(0), 0, 2));
+        let (lease, _) = partitions.next_due(now).unwrap();
+        assert_eq!((lease.record.offset(), lease.attempt), (0, Some(2)));
+        let hold = lease.hold;
+        partitions.park(lease);
+        let taken = partitions.take_parked(&tp(0), 0).expect("parked at 0");
+        assert!(partitions.take_parked(&tp(0), 0).is_none(), "taken once");
+        assert_eq!(take(&mut partitions, now), None, "0:0 is in flight");
+        assert_eq!(partitions.settled(&tp(0), hold, taken.record.offset()), Some(1));
+        assert_eq!(take(&mut partitions, now).map(|t| t.1), Some(1));
     }
 
     #[test]

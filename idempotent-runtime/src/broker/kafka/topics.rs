@@ -17,7 +17,7 @@ use tokio_util::sync::CancellationToken as Shutdown;
 
 /// The retry topics of a runner: `<prefix>.<delay>ms`, one per delay its policy waits, so that
 /// every record of one retry topic waits the same time and they come due in their order.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub(super) struct RetryTopics {
     /// The delays, shortest first.
     delays: Vec<Duration>,
@@ -111,7 +111,7 @@ pub(super) async fn ensure(
     if missing.is_empty() {
         return Ok(());
     }
-    let still_missing = make(client, producer, &missing, partitions, brokers).await;
+    let still_missing = make(client, producer, &missing, partitions, brokers, &[]).await;
     if let Some((topic, refusal)) = still_missing.into_iter().next() {
         let reason = format!("the topic is missing and could not be made: {refusal}");
         return Err(if topic == dead_letters {
@@ -128,8 +128,8 @@ pub(super) async fn ensure(
     Ok(())
 }
 
-/// Makes `topics` of `partitions` partitions, replicated on up to three of the cluster's `brokers`:
-/// with `CreateTopics`, or else by asking for their metadata (the broker's auto-creation, for a
+/// Makes `topics` of `partitions` partitions, replicated on up to three of the cluster's `brokers`,
+/// with the topic settings `config`: with `CreateTopics`, or else by asking for their metadata (the broker's auto-creation, for a
 /// broker without `CreateTopics` or one that refused it to this client). Returns those still
 /// missing, with why.
 pub(super) async fn make<'a>(
@@ -138,10 +138,11 @@ pub(super) async fn make<'a>(
     topics: &[&'a str],
     partitions: usize,
     brokers: usize,
+    config: &[(&str, &str)],
 ) -> Vec<(&'a str, String)> {
     let replication = i32::try_from(brokers.clamp(1, 3)).unwrap_or(1);
     let mut missing = Vec::new();
-    for (topic, refusal) in create(client, topics, partitions, replication).await {
+    for (topic, refusal) in create(client, topics, partitions, replication, config).await {
         let made = metadata(producer, Some(topic))
             .await
             .is_ok_and(|(existing, _)| existing.contains_key(topic));
@@ -183,6 +184,7 @@ async fn create<'a>(
     topics: &[&'a str],
     partitions: usize,
     replication: i32,
+    config: &[(&str, &str)],
 ) -> Vec<(&'a str, String)> {
     let admin: AdminClient<DefaultClientContext> = match client.create() {
         Ok(admin) => admin,
@@ -191,7 +193,12 @@ async fn create<'a>(
     let partitions = i32::try_from(partitions).unwrap_or(i32::MAX);
     let new: Vec<NewTopic<'_>> = topics
         .iter()
-        .map(|topic| NewTopic::new(topic, partitions, TopicReplication::Fixed(replication)))
+        .map(|topic| {
+            let new = NewTopic::new(topic, partitions, TopicReplication::Fixed(replication));
+            config
+                .iter()
+                .fold(new, |new, (name, value)| new.set(name, value))
+        })
         .collect();
     let options = AdminOptions::new()
         .operation_timeout(Some(ADMIN_TIMEOUT))
