@@ -103,14 +103,23 @@ impl Kafka {
     /// Produces a record with the message id `id` and an order of `kind` to `partition` of
     /// `topic`.
     pub async fn produce_to(&self, topic: &str, partition: i32, id: &str, kind: Kind) {
-        let headers = OwnedHeaders::new().insert(Header {
-            key: "message-id",
-            value: Some(id.as_bytes()),
-        });
-        let payload = Order::payload(kind);
+        self.produce_raw_to(topic, partition, Some(id), &Order::payload(kind))
+            .await
+    }
+
+    /// Produces a record with the message id `id` (none: no header) and any payload to
+    /// `partition` of `topic`.
+    pub async fn produce_raw_to(&self, topic: &str, partition: i32, id: Option<&str>, payload: &[u8]) {
+        let mut headers = OwnedHeaders::new();
+        if let Some(id) = id {
+            headers = headers.insert(Header {
+                key: "message-id",
+                value: Some(id.as_bytes()),
+            });
+        }
         let record = FutureRecord::<(), _>::to(topic)
             .partition(partition)
-            .payload(&payload)
+            .payload(payload)
             .headers(headers);
         self.producer
             .send(record, Duration::from_secs(10))

@@ -2,7 +2,8 @@
 //! says so on the group's holds topic, and follows that topic for the operator's retry or skip) and
 //! the operator's ([`HeldPartitions`], the `idempotent kafka` command's side).
 //!
-//! The holds topic, `<group>.holds`, has one partition and is compacted. Its records, each keyed so
+//! The holds topic, `<group>.holds`, has one partition and is compacted (its records go to
+//! partition 0 whatever it has). Its records, each keyed so
 //! that compaction keeps the last of each:
 //! - `held:<topic>:<partition>`: a runner parked the record at [`OFFSET_HEADER`] of that
 //!   partition, with [`HOLD_HEADER`] (the hold's id), the reason and attempts, and its message id.
@@ -155,7 +156,10 @@ fn record<'a>(
             value: Some(value.as_bytes()),
         });
     }
+    // Partition 0 always, whatever the topic has (a broker's auto-creation may make more): the
+    // records of the topic are read in the order they were written.
     let mut out = FutureRecord::<[u8], [u8]>::to(topic)
+        .partition(0)
         .key(key.as_bytes())
         .headers(owned);
     if let Some(payload) = payload {
@@ -381,7 +385,9 @@ impl Holds {
         group: &str,
     ) -> Result<Self, BrokerError> {
         let topic = holds_topic(group);
-        let (existing, brokers) = topics::metadata(producer, Some(&topic)).await?;
+        // The whole cluster's metadata: asked for by name, a missing topic would be auto-created,
+        // with the broker's settings rather than these.
+        let (existing, brokers) = topics::metadata(producer, None).await?;
         if !existing.contains_key(&topic) {
             let compacted = [("cleanup.policy", "compact")];
             let missing = topics::make(client, producer, &[&topic], 1, brokers, &compacted).await;
