@@ -23,12 +23,15 @@
 //! idempotent dlq --rabbitmq payments [--amqp-url amqp://…] list | show | redrive   (payments.dead)
 //! idempotent dlq --nats PAYMENTS.dead [--nats-url nats://…] list | show | redrive
 //! idempotent dlq --kafka payments.dead [--kafka-brokers host:9092] list | show | redrive   (feature kafka)
+//! idempotent kafka --group ledger [--kafka-brokers host:9092] held      partitions held at a failed record
+//! idempotent kafka --group ledger retry --topic payments --partition 3  run its record again now
+//! idempotent kafka --group ledger skip --topic payments --partition 3 --reason "…"   dead-letter it, go on
 //! ```
 //!
 //! Tables for people by default, `--json` for scripts. Exit status: 0, 1 on an error (a wrong
 //! command line too), 2 when the message to inspect or forget is not in the inbox (or the outgoing
 //! message to show, retry or skip is not in the outbox, or not parked, or the dead letter to show is
-//! not in the dead-letter queue).
+//! not in the dead-letter queue, or the Kafka partition to retry or skip is not held).
 //!
 //! `dlq` needs no database: it reads the dead-letter queue that an SQS queue's redrive policy names
 //! (`--sqs`, or the dead-letter queue itself with `--sqs-dlq`), with the credentials and region of
@@ -71,6 +74,8 @@ mod args;
     feature = "kafka"
 ))]
 mod dlq;
+#[cfg(feature = "kafka")]
+mod kafka;
 mod output;
 
 use std::process::ExitCode;
@@ -198,6 +203,10 @@ enum Command {
         feature = "kafka"
     ))]
     Dlq(Box<dlq::Queue>),
+    /// The partitions a Kafka consumer group's runners hold at a record that failed (runners with
+    /// `hold_partition_on_failure`): list them, retry or skip each (no database needed).
+    #[cfg(feature = "kafka")]
+    Kafka(Box<kafka::Group>),
     /// The transactional outbox: its outgoing messages, the parked ones and the ordering keys they
     /// hold, and retrying or skipping them.
     Outbox {
@@ -354,6 +363,10 @@ fn scheme(url: &str) -> Result<Scheme, Failure> {
 }
 
 async fn run(cli: Cli) -> Result<(), Failure> {
+    #[cfg(feature = "kafka")]
+    if let Command::Kafka(group) = cli.command {
+        return kafka::run(*group, Output { json: cli.json }).await;
+    }
     #[cfg(any(
         feature = "sqs",
         feature = "rabbitmq",
@@ -464,6 +477,8 @@ async fn command<DB: Backend>(
 ) -> Result<(), Failure> {
     match command {
         Command::Ddl { .. } => unreachable!("printed without a connection"),
+        #[cfg(feature = "kafka")]
+        Command::Kafka(_) => unreachable!("run without a connection"),
         #[cfg(any(
             feature = "sqs",
             feature = "rabbitmq",

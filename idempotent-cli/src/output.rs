@@ -497,6 +497,58 @@ impl Output {
         );
     }
 
+    /// Kafka's held partitions.
+    #[cfg(feature = "kafka")]
+    pub(crate) fn held_partitions(&self, held: &[idempotent::broker::kafka::HeldPartition]) {
+        if self.json {
+            let held: Vec<Value> = held.iter().map(held_partition_json).collect();
+            return print_json(json!({ "held": held }));
+        }
+        let rows: Vec<Vec<String>> = held
+            .iter()
+            .map(|h| {
+                vec![
+                    h.topic.clone(),
+                    h.partition.to_string(),
+                    h.offset.to_string(),
+                    h.message_id.clone().unwrap_or_else(|| "-".into()),
+                    h.attempts.to_string(),
+                    text(h.held_since),
+                    asked_text(h.asked.as_ref()),
+                    h.reason.clone(),
+                ]
+            })
+            .collect();
+        table(
+            &[
+                "TOPIC",
+                "PARTITION",
+                "OFFSET",
+                "MESSAGE ID",
+                "ATTEMPTS",
+                "HELD SINCE",
+                "ASKED",
+                "REASON",
+            ],
+            &rows,
+        );
+    }
+
+    /// A command written for a Kafka held partition.
+    #[cfg(feature = "kafka")]
+    pub(crate) fn asked(&self, hold: &idempotent::broker::kafka::HeldPartition) {
+        if self.json {
+            return print_json(held_partition_json(hold));
+        }
+        println!(
+            "asked to {} partition {} of {} (held at offset {}): its runner does it within moments, or the next one to run",
+            asked_text(hold.asked.as_ref()),
+            hold.partition,
+            hold.topic,
+            hold.offset
+        );
+    }
+
     pub(crate) fn retried(&self, row: i64) {
         if self.json {
             print_json(json!({ "row": row, "retried": true }));
@@ -513,6 +565,33 @@ impl Output {
                 "row {row} is skipped: it will not be published, and its ordering key goes on"
             );
         }
+    }
+}
+
+/// A Kafka held partition as `--json` prints it.
+#[cfg(feature = "kafka")]
+fn held_partition_json(h: &idempotent::broker::kafka::HeldPartition) -> Value {
+    json!({
+        "topic": h.topic,
+        "partition": h.partition,
+        "offset": h.offset,
+        "message_id": h.message_id,
+        "reason": h.reason,
+        "attempts": h.attempts,
+        "held_since": time(h.held_since),
+        "hold": h.hold,
+        "asked": h.asked.as_ref().map(|asked| asked_text(Some(asked))),
+    })
+}
+
+/// What an operator asked for a Kafka hold, in words.
+#[cfg(feature = "kafka")]
+fn asked_text(asked: Option<&idempotent::broker::kafka::Asked>) -> String {
+    use idempotent::broker::kafka::Asked;
+    match asked {
+        None => "-".into(),
+        Some(Asked::Retry) => "retry".into(),
+        Some(Asked::Skip { reason }) => format!("skip: {reason}"),
     }
 }
 

@@ -904,3 +904,175 @@ async fn kafka_dead_letters_are_put_back_to_their_partition_once_and_noted() {
         "{sentence}"
     );
 }
+
+/// Runs `idempotent kafka` with `args`.
+#[cfg(feature = "kafka")]
+fn kafka_command(args: &[&str]) -> Output {
+    Command::new(BIN)
+        .arg("kafka")
+        .args(args)
+        .output()
+        .expect("run the idempotent binary")
+}
+
+#[cfg(feature = "kafka")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_held_partitions_are_listed_retried_and_skipped_from_the_command_line() {
+    use idempotent::broker::RetryPolicy;
+    use idempotent::broker::kafka::Runner;
+
+    let cluster = kafka::cluster();
+    let servers = cluster.bootstrap_servers();
+    cluster.create_topic("orders", 1, 1).unwrap();
+    for (id, body) in [
+        ("ok-1", "fine"),
+        ("p-1", "poison"),
+        ("ok-2", "fine"),
+        ("ok-3", "fine"),
+    ] {
+        kafka::produce(
+            &servers,
+            "orders",
+            "customer-1",
+            body,
+            &[("message-id", id)],
+        )
+        .await;
+    }
+    let seen = Seen::default();
+    let shutdown = Shutdown::new();
+    let runner = Runner::new(kafka::client(&servers), "shop", &["orders"], "orders.dead")
+        .retry(RetryPolicy::new(1, Duration::from_millis(100)))
+        .hold_partition_on_failure()
+        .shutdown_on(shutdown.clone());
+    let stats = runner.stats();
+    let mut workers = Some(handler(&seen, false));
+    let running = tokio::spawn(runner.run(move || workers.take().expect("one worker")));
+    let until = async |done: &dyn Fn(idempotent::broker::RunnerStats) -> bool| {
+        for _ in 0..1200 {
+            if done(stats()) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("not reached within 60 s: {:?}", stats());
+    };
+    until(&|now| now.held == 1 && now.processed == 1).await;
+
+    let group = ["--group", "shop", "--kafka-brokers", servers.as_str()];
+    let command = |args: &[&str]| {
+        let args = [&group[..], args, &["--json"]].concat();
+        let out = tokio::task::block_in_place(|| kafka_command(&args));
+        assert!(
+            out.status.success(),
+            "idempotent kafka {args:?} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice::<Value>(&out.stdout).expect("--json prints JSON")
+    };
+    let held = command(&["held"]);
+    let holds = held["held"].as_array().unwrap();
+    assert_eq!(holds.len(), 1, "{held}");
+    assert_eq!(
+        (
+            &holds[0]["topic"],
+            &holds[0]["partition"],
+            &holds[0]["offset"]
+        ),
+        (&Value::from("orders"), &Value::from(0), &Value::from(1)),
+        "{held}"
+    );
+    assert_eq!(holds[0]["message_id"], "p-1");
+    assert!(
+        holds[0]["reason"].as_str().unwrap().contains("poison"),
+        "{held}"
+    );
+
+    // Retried: its next attempt, which fails again, and it is held again.
+    let asked = command(&["retry", "--topic", "orders", "--partition", "0"]);
+    assert_eq!(asked["asked"], "retry", "{asked}");
+    until(&|now| now.held == 2).await;
+    let attempts: Vec<u32> = seen
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(id, _)| id == "p-1")
+        .map(|(_, attempt)| *attempt)
+        .collect();
+    assert_eq!(attempts, [1, 2]);
+    assert_eq!(stats().processed, 1, "nothing after the held record ran");
+
+    // Skipped: dead-lettered with the operator's reason, and the partition goes on.
+    let asked = command(&[
+        "skip",
+        "--topic",
+        "orders",
+        "--partition",
+        "0",
+        "--reason",
+        "refunded by hand",
+    ]);
+    assert_eq!(asked["asked"], "skip: refunded by hand", "{asked}");
+    until(&|now| now.processed == 3 && now.dead_lettered == 1).await;
+    let letters = json(&[
+        "--kafka",
+        "orders.dead",
+        "--kafka-brokers",
+        &servers,
+        "list",
+    ]);
+    let letters = letters["dead_letters"].as_array().unwrap();
+    assert_eq!(letters.len(), 1);
+    let reason = letters[0]["reason"].as_str().unwrap();
+    assert!(
+        reason.contains("skipped by an operator: refunded by hand") && reason.contains("poison"),
+        "{reason}"
+    );
+    let mut listed = command(&["held"]);
+    for _ in 0..100 {
+        if listed["held"].as_array().unwrap().is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        listed = command(&["held"]);
+    }
+    assert_eq!(listed["held"].as_array().unwrap().len(), 0, "{listed}");
+
+    // What is not held: exit 2 and a sentence; a group with no holds: the same.
+    let again = tokio::task::block_in_place(|| {
+        kafka_command(
+            &[
+                &group[..],
+                &[
+                    "skip",
+                    "--topic",
+                    "orders",
+                    "--partition",
+                    "0",
+                    "--reason",
+                    "x",
+                ],
+            ]
+            .concat(),
+        )
+    });
+    assert_eq!(again.status.code(), Some(2));
+    let sentence = String::from_utf8_lossy(&again.stderr);
+    assert!(
+        sentence.contains("partition 0 of orders is not held"),
+        "{sentence}"
+    );
+    let none = tokio::task::block_in_place(|| {
+        kafka_command(&["--group", "nobody", "--kafka-brokers", &servers, "held"])
+    });
+    assert_eq!(none.status.code(), Some(2));
+    let sentence = String::from_utf8_lossy(&none.stderr);
+    assert!(sentence.contains("no runner of group nobody"), "{sentence}");
+
+    shutdown.cancel();
+    let stats = running.await.unwrap().unwrap();
+    assert_eq!(
+        (stats.processed, stats.dead_lettered, stats.held),
+        (3, 1, 2)
+    );
+}

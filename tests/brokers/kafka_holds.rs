@@ -121,11 +121,17 @@ async fn a_failed_record_holds_its_partition_until_an_operator_skips_it_and_the_
     );
     let held = holds(&kafka, &group).await;
     let hold = &held[0];
-    assert_eq!((hold.topic.as_str(), hold.partition, hold.offset), (topic.as_str(), 0, 1));
+    assert_eq!(
+        (hold.topic.as_str(), hold.partition, hold.offset),
+        (topic.as_str(), 0, 1)
+    );
     assert_eq!(hold.message_id.as_deref(), Some("bad"));
     assert!(hold.reason.contains("poison"), "{hold:?}");
     assert_eq!((hold.attempts, hold.asked.clone()), (1, None));
-    assert!(dead_letters(&kafka, &topic).await.is_empty(), "held, not dead-lettered");
+    assert!(
+        dead_letters(&kafka, &topic).await.is_empty(),
+        "held, not dead-lettered"
+    );
     let lag = kafka.lag(&group, &topic).await;
     assert!(
         lag[&0].1.unwrap_or(0) <= 1,
@@ -133,10 +139,7 @@ async fn a_failed_record_holds_its_partition_until_an_operator_skips_it_and_the_
     );
 
     let operator = HeldPartitions::new(kafka.client(), &group);
-    let asked = operator
-        .skip(&topic, 0, "refunded by hand")
-        .await
-        .unwrap();
+    let asked = operator.skip(&topic, 0, "refunded by hand").await.unwrap();
     assert_eq!(
         asked.asked,
         Some(Asked::Skip {
@@ -151,14 +154,20 @@ async fn a_failed_record_holds_its_partition_until_an_operator_skips_it_and_the_
     assert_eq!(dead.len(), 1, "{dead:?}");
     assert_eq!(dead[0].0, "bad");
     assert!(
-        dead[0].1.contains("skipped by an operator: refunded by hand") && dead[0].1.contains("poison"),
+        dead[0]
+            .1
+            .contains("skipped by an operator: refunded by hand")
+            && dead[0].1.contains("poison"),
         "{dead:?}"
     );
     let err = operator.skip(&topic, 0, "again").await.unwrap_err();
     assert!(matches!(err, BrokerError::NotHeld { .. }), "{err}");
     shutdown.cancel();
     let stats = running.await.unwrap().unwrap();
-    assert_eq!((stats.held, stats.dead_lettered, stats.processed), (1, 1, 9));
+    assert_eq!(
+        (stats.held, stats.dead_lettered, stats.processed),
+        (1, 1, 9)
+    );
     let order = committed_in_order(&shop).await;
     let partition_0: Vec<&str> = order
         .iter()
@@ -218,7 +227,12 @@ async fn retries_wait_in_place_and_an_operator_retry_runs_the_held_record_as_its
     shutdown.cancel();
     let stats = running.await.unwrap().unwrap();
     assert_eq!(
-        (stats.retried, stats.held, stats.processed, stats.dead_lettered),
+        (
+            stats.retried,
+            stats.held,
+            stats.processed,
+            stats.dead_lettered
+        ),
         (2, 1, 4, 0)
     );
     nothing_left_uncommitted(&kafka, &group, &topic).await;
@@ -247,7 +261,10 @@ async fn a_hold_outlives_its_runner_and_a_skip_asked_while_none_runs_is_done_by_
     let second = spawn(runner(&kafka, &group, &topic), &shop, 1, &shutdown);
     let before = holds(&kafka, &group).await[0].hold.clone();
     eventually(Duration::from_secs(60), async || {
-        holds(&kafka, &group).await.first().is_some_and(|hold| hold.hold != before)
+        holds(&kafka, &group)
+            .await
+            .first()
+            .is_some_and(|hold| hold.hold != before)
     })
     .await;
     assert_eq!(shop.attempt_numbers("bad"), [1, 1]);
@@ -294,7 +311,11 @@ async fn two_runners_racing_with_a_rebalance_run_nothing_past_a_hold_and_nothing
             match (partition, offset) {
                 (1 | 3, 10) => kafka.produce_to(&topic, partition, &id, Kind::Poison).await,
                 (2, 20) => kafka.produce_raw_to(&topic, 2, None, b"{}").await,
-                _ => kafka.produce_to(&topic, partition, &id, Kind::Slow(5)).await,
+                _ => {
+                    kafka
+                        .produce_to(&topic, partition, &id, Kind::Slow(5))
+                        .await
+                }
             }
         }
     }
@@ -312,7 +333,10 @@ async fn two_runners_racing_with_a_rebalance_run_nothing_past_a_hold_and_nothing
     })
     .await;
     let held = holds(&kafka, &group).await;
-    let at: Vec<(i32, i64)> = held.iter().map(|hold| (hold.partition, hold.offset)).collect();
+    let at: Vec<(i32, i64)> = held
+        .iter()
+        .map(|hold| (hold.partition, hold.offset))
+        .collect();
     assert_eq!(at, [(1, 10), (2, 20), (3, 10)]);
     assert!(held[1].reason.contains("no message-id header"), "{held:?}");
     let operator = HeldPartitions::new(kafka.client(), &group);
@@ -328,7 +352,10 @@ async fn two_runners_racing_with_a_rebalance_run_nothing_past_a_hold_and_nothing
     .await;
     second_stop.cancel();
     first_stop.cancel();
-    let (first, second) = (first.await.unwrap().unwrap(), second.await.unwrap().unwrap());
+    let (first, second) = (
+        first.await.unwrap().unwrap(),
+        second.await.unwrap().unwrap(),
+    );
     let effects = shop.effects().await;
     assert!(effects.values().all(|count| *count == 1), "{effects:?}");
     // Each partition's records took effect in their order.

@@ -323,9 +323,8 @@ impl Runner {
             counters: self.options.counters.clone(),
             holds: holds.clone(),
         });
-        let following = holds.map(|holds| {
-            tokio::spawn(holds.follow(settling.clone(), shutdown.child_token()))
-        });
+        let following =
+            holds.map(|holds| tokio::spawn(holds.follow(settling.clone(), shutdown.child_token())));
         let fetch = Fetch {
             settling: settling.clone(),
             missing: Default::default(),

@@ -109,7 +109,13 @@ impl Kafka {
 
     /// Produces a record with the message id `id` (none: no header) and any payload to
     /// `partition` of `topic`.
-    pub async fn produce_raw_to(&self, topic: &str, partition: i32, id: Option<&str>, payload: &[u8]) {
+    pub async fn produce_raw_to(
+        &self,
+        topic: &str,
+        partition: i32,
+        id: Option<&str>,
+        payload: &[u8],
+    ) {
         let mut headers = OwnedHeaders::new();
         if let Some(id) = id {
             headers = headers.insert(Header {

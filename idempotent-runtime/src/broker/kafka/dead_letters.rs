@@ -8,10 +8,10 @@ use rdkafka::message::{Header, Headers as _, OwnedHeaders, OwnedMessage};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::{ClientConfig, Message as _};
 
+use super::reading::{ANSWER_WITHIN, Reader, partitions, read};
 use super::{
     ATTEMPTS_HEADER, MESSAGE_ID_HEADER, REASON_HEADER, TOPIC_HEADER, producer_config, topics,
 };
-use super::reading::{ANSWER_WITHIN, Reader, partitions, read};
 use super::{delivery::header, produce};
 use crate::broker::dead_letters::{DeadLetter, DeadLetterFilter};
 use crate::broker::error::BrokerError;

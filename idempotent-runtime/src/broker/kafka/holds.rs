@@ -336,10 +336,9 @@ impl HeldPartitions {
                 .elements()
                 .iter()
                 .filter_map(|element| match element.offset() {
-                    Offset::Offset(offset) => Some((
-                        (element.topic().to_owned(), element.partition()),
-                        offset,
-                    )),
+                    Offset::Offset(offset) => {
+                        Some(((element.topic().to_owned(), element.partition()), offset))
+                    }
                     _ => None,
                 })
                 .collect())
@@ -560,7 +559,10 @@ impl Holds {
             return;
         };
         let next = parking.attempts.saturating_add(1);
-        if settling.partitions().unpark(partition, parking.offset, next) {
+        if settling
+            .partitions()
+            .unpark(partition, parking.offset, next)
+        {
             tracing::info!(topic = %partition.topic, partition = partition.partition, offset = parking.offset, "an operator retries a held record");
             self.view().mine.remove(partition);
             settling.wake.notify_one();
@@ -682,7 +684,12 @@ mod tests {
             panic!("a hold: {:?}", said(&held))
         };
         assert_eq!(
-            (hold.topic.as_str(), hold.partition, hold.offset, hold.attempts),
+            (
+                hold.topic.as_str(),
+                hold.partition,
+                hold.offset,
+                hold.attempts
+            ),
             ("orders.eu", 3, 41, 2)
         );
         assert_eq!(hold.message_id.as_deref(), Some("order-9"));

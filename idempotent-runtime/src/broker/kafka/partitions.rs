@@ -261,9 +261,10 @@ impl Partitions {
                 .get_mut(key)
                 .expect("ordered partitions are held");
             let ready = partition.free_for(self.unit, self.per_unit)
-                && partition.held.front().is_some_and(|held| {
-                    !held.parked && held.due.is_none_or(|due| due <= now)
-                });
+                && partition
+                    .held
+                    .front()
+                    .is_some_and(|held| !held.parked && held.due.is_none_or(|due| due <= now));
             if !ready {
                 continue;
             }
@@ -571,7 +572,11 @@ mod tests {
             Some((1, 0)),
             "the other partition goes on"
         );
-        assert_eq!(take(&mut partitions, later), None, "0:0 is parked, 0:1 waits");
+        assert_eq!(
+            take(&mut partitions, later),
+            None,
+            "0:0 is parked, 0:1 waits"
+        );
         assert_eq!(partitions.next_wake(), None, "a parked record is never due");
         assert!(!partitions.unpark(&tp(0), 1, 2), "not parked at 1");
         assert!(partitions.unpark(&tp(0), 0, 2));
@@ -582,7 +587,10 @@ mod tests {
         let taken = partitions.take_parked(&tp(0), 0).expect("parked at 0");
         assert!(partitions.take_parked(&tp(0), 0).is_none(), "taken once");
         assert_eq!(take(&mut partitions, now), None, "0:0 is in flight");
-        assert_eq!(partitions.settled(&tp(0), hold, taken.record.offset()), Some(1));
+        assert_eq!(
+            partitions.settled(&tp(0), hold, taken.record.offset()),
+            Some(1)
+        );
         assert_eq!(take(&mut partitions, now).map(|t| t.1), Some(1));
     }
 

@@ -39,7 +39,10 @@ impl Reader {
 }
 
 /// The partitions of `topic`; `None` when the cluster has no such topic.
-pub(super) async fn partitions(reader: &Reader, topic: &str) -> Result<Option<Vec<i32>>, BrokerError> {
+pub(super) async fn partitions(
+    reader: &Reader,
+    topic: &str,
+) -> Result<Option<Vec<i32>>, BrokerError> {
     let (reader, topic) = (reader.clone(), topic.to_owned());
     blocking(move || {
         let metadata = reader
@@ -57,7 +60,10 @@ pub(super) async fn partitions(reader: &Reader, topic: &str) -> Result<Option<Ve
 }
 
 /// Every record of `topic`, up to [`MOST_READ`]; `None` when the cluster has no such topic.
-pub(super) async fn read(reader: &Reader, topic: &str) -> Result<Option<Vec<OwnedMessage>>, BrokerError> {
+pub(super) async fn read(
+    reader: &Reader,
+    topic: &str,
+) -> Result<Option<Vec<OwnedMessage>>, BrokerError> {
     let Some(partitions) = partitions(reader, topic).await? else {
         return Ok(None);
     };
@@ -128,4 +134,3 @@ pub(super) async fn blocking<T: Send + 'static>(
         .await
         .map_err(BrokerError::broker)?
 }
-
