@@ -46,6 +46,9 @@
 //!   [`DUE_HEADER`], and its offset committed; the runner consumes its retry topics too, and hands a
 //!   retry to a worker once it is due. The attempt is the runner's own header, read on its retry
 //!   topics only: a producer cannot set it.
+//! - **Holding a partition instead** ([`Runner::hold_partition_on_failure`], opt-in): retries wait
+//!   in place and a record that would be dead-lettered is parked, holding back the rest of its
+//!   partition until an operator retries or skips it ([`HeldPartitions`]).
 //! - **Dead letters** (a failure that is not retryable, a retryable one on its last attempt, a
 //!   record with no key) are produced to the dead-letter topic with [`REASON_HEADER`],
 //!   [`ATTEMPTS_HEADER`], [`TOPIC_HEADER`], [`PARTITION_HEADER`] and [`OFFSET_HEADER`], keeping the
