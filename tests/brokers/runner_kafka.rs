@@ -15,54 +15,15 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use idempotent::broker::kafka::{self, Runner};
-use idempotent::broker::{Batches, BrokerError, RetryPolicy, RunnerStats, Shutdown};
+use idempotent::broker::{Batches, BrokerError, RetryPolicy, Shutdown};
 use idempotent::outbox::{Destination, OutgoingMessage, Publication, PublishError, Publisher};
-use support::kafka::{Kafka, Message as _, header};
+use support::kafka::{Kafka, Message as _, header, spawn};
 use support::{Kind, Shop, eventually};
 
 /// A runner on `topic` in a group of its own, with a short retry policy.
 fn runner(kafka: &Kafka, group: &str, topic: &str) -> Runner {
     Runner::new(kafka.client(), group, &[topic], format!("{topic}.dead"))
         .retry(RetryPolicy::new(3, Duration::from_millis(300)))
-}
-
-/// Runs `runner` with `workers` workers in the background.
-fn spawn(
-    runner: Runner,
-    shop: &Shop,
-    workers: usize,
-    shutdown: &Shutdown,
-) -> tokio::task::JoinHandle<Result<RunnerStats, BrokerError>> {
-    let mut handlers = (0..workers)
-        .map(|_| shop.worker())
-        .collect::<Vec<_>>()
-        .into_iter();
-    tokio::spawn(
-        runner
-            .workers(workers)
-            .shutdown_on(shutdown.clone())
-            .run(move || handlers.next().expect("one handler per worker")),
-    )
-}
-
-/// The message ids whose effects were committed, in commit order.
-async fn committed_in_order(shop: &Shop) -> Vec<String> {
-    sqlx::query_scalar("SELECT message_id FROM effects ORDER BY rowid")
-        .fetch_all(&shop.pool)
-        .await
-        .unwrap()
-}
-
-/// Asserts that `group` committed every record of `topic`.
-async fn nothing_left_uncommitted(kafka: &Kafka, group: &str, topic: &str) {
-    let lag = kafka.lag(group, topic).await;
-    for (partition, (end, committed)) in lag {
-        assert_eq!(
-            committed.unwrap_or(0),
-            end,
-            "partition {partition} of {topic}: committed {committed:?} of {end}"
-        );
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -128,7 +89,7 @@ async fn every_record_once_in_partition_order_and_bad_input_dead_lettered_with_i
     assert_eq!((stats.retried, stats.dead_lettered), (1, 4));
 
     // The records of a key that succeeded at once took effect in their order.
-    let order = committed_in_order(&shop).await;
+    let order = shop.committed_in_order().await;
     for (key, ids) in &produced {
         let seen: Vec<&String> = order.iter().filter(|id| ids.contains(id)).collect();
         let expected: Vec<&String> = ids.iter().collect();
@@ -162,7 +123,7 @@ async fn every_record_once_in_partition_order_and_bad_input_dead_lettered_with_i
         .expect("the 900 KB body, not an order either, dead-lettered whole");
     assert_eq!(huge_dead.payload().map(<[u8]>::len), Some(900 << 10));
 
-    nothing_left_uncommitted(&kafka, &group, &topic).await;
+    kafka.nothing_left_uncommitted(&group, &topic).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -189,11 +150,13 @@ async fn a_retry_waits_its_delay_on_its_retry_topic_and_holds_back_nothing() {
     let stats = running.await.unwrap().unwrap();
     shop.assert_retried_after("flaky", &[300, 600]);
     // The partition went on while the retry waited.
-    let order = committed_in_order(&shop).await;
+    let order = shop.committed_in_order().await;
     assert_eq!(order.last().map(String::as_str), Some("flaky"), "{order:?}");
     assert_eq!((stats.retried, stats.processed), (2, 6));
-    nothing_left_uncommitted(&kafka, &group, &topic).await;
-    nothing_left_uncommitted(&kafka, &group, &format!("{group}.retry.300ms")).await;
+    kafka.nothing_left_uncommitted(&group, &topic).await;
+    kafka
+        .nothing_left_uncommitted(&group, &format!("{group}.retry.300ms"))
+        .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -237,7 +200,7 @@ async fn shutdown_mid_stream_commits_what_is_done_and_the_next_runner_goes_on() 
         40,
         "what the first committed, the second did not run again"
     );
-    nothing_left_uncommitted(&kafka, &group, &topic).await;
+    kafka.nothing_left_uncommitted(&group, &topic).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -279,7 +242,7 @@ async fn a_second_runner_joining_and_leaving_mid_stream_loses_nothing_and_double
     let effects = shop.effects().await;
     assert_eq!(effects.len(), 300);
     assert!(effects.values().all(|count| *count == 1), "{effects:?}");
-    nothing_left_uncommitted(&kafka, &group, &topic).await;
+    kafka.nothing_left_uncommitted(&group, &topic).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -338,7 +301,7 @@ async fn every_broker_down_mid_stream_loses_nothing_and_the_runner_comes_back() 
         "the outage was not noticed: {:?}",
         stats()
     );
-    nothing_left_uncommitted(&kafka, &group, &topic).await;
+    kafka.nothing_left_uncommitted(&group, &topic).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -380,7 +343,7 @@ async fn a_dead_letter_the_broker_refuses_is_tried_again_and_holds_back_only_its
     assert!(effects.values().all(|count| *count == 1), "{effects:?}");
     assert!(!effects.contains_key("poison"));
     // Its partition waited for it: the records behind the poison ran after its dead letter.
-    let order = committed_in_order(&shop).await;
+    let order = shop.committed_in_order().await;
     let behind: Vec<&String> = order
         .iter()
         .filter(|id| id.starts_with("behind-"))
@@ -400,7 +363,7 @@ async fn a_dead_letter_the_broker_refuses_is_tried_again_and_holds_back_only_its
         first_behind[0].at > poison_attempts[3].at,
         "a record passed the poison"
     );
-    nothing_left_uncommitted(&kafka, &group, &topic).await;
+    kafka.nothing_left_uncommitted(&group, &topic).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -468,7 +431,7 @@ async fn batches_settle_each_record_by_its_own_outcome() {
     let stats = running.await.unwrap().unwrap();
     assert_eq!((stats.processed, stats.dead_lettered), (39, 1));
     assert!(shop.effects().await.values().all(|count| *count == 1));
-    nothing_left_uncommitted(&kafka, &group, &topic).await;
+    kafka.nothing_left_uncommitted(&group, &topic).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -510,13 +473,13 @@ async fn batches_of_several_workers_keep_each_partitions_order() {
     let stats = running.await.unwrap().unwrap();
     assert_eq!(stats.processed, 240);
     assert!(shop.effects().await.values().all(|count| *count == 1));
-    let order = committed_in_order(&shop).await;
+    let order = shop.committed_in_order().await;
     for (key, ids) in &keys {
         let seen: Vec<&String> = order.iter().filter(|id| ids.contains(id)).collect();
         let expected: Vec<&String> = ids.iter().collect();
         assert_eq!(seen, expected, "the records of {key} out of order");
     }
-    nothing_left_uncommitted(&kafka, &group, &topic).await;
+    kafka.nothing_left_uncommitted(&group, &topic).await;
 }
 
 fn publication(id: &str, topic: &str, key: Option<&str>) -> Publication {

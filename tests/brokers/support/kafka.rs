@@ -17,7 +17,9 @@ use idempotent::broker::kafka::rdkafka::{
     producer::{FutureProducer, FutureRecord},
 };
 
-use super::{Kind, Order};
+use super::{Kind, Order, Shop};
+use idempotent::broker::kafka::Runner;
+use idempotent::broker::{BrokerError, RunnerStats, Shutdown};
 
 /// A Kafka to test against.
 pub struct Kafka {
@@ -219,6 +221,17 @@ impl Kafka {
         .unwrap()
     }
 
+    /// Asserts that `group` committed every record of `topic`.
+    pub async fn nothing_left_uncommitted(&self, group: &str, topic: &str) {
+        for (partition, (end, committed)) in self.lag(group, topic).await {
+            assert_eq!(
+                committed.unwrap_or(0),
+                end,
+                "partition {partition} of {topic}: committed {committed:?} of {end}"
+            );
+        }
+    }
+
     /// On a mock cluster: answers every request about `topic` with an authorization error.
     pub fn refuse_topic(&self, topic: &str) {
         if let Some(mock) = &self.mock {
@@ -301,3 +314,22 @@ pub fn header(record: &OwnedMessage, name: &str) -> Option<String> {
 
 #[allow(unused_imports)]
 pub use rdkafka::Message;
+
+/// Runs `runner` with `workers` workers of `shop` in the background.
+pub fn spawn(
+    runner: Runner,
+    shop: &Shop,
+    workers: usize,
+    shutdown: &Shutdown,
+) -> tokio::task::JoinHandle<Result<RunnerStats, BrokerError>> {
+    let mut handlers = (0..workers)
+        .map(|_| shop.worker())
+        .collect::<Vec<_>>()
+        .into_iter();
+    tokio::spawn(
+        runner
+            .workers(workers)
+            .shutdown_on(shutdown.clone())
+            .run(move || handlers.next().expect("one handler per worker")),
+    )
+}

@@ -217,6 +217,14 @@ impl Shop {
         .collect()
     }
 
+    /// The message ids whose effects were committed, in commit order.
+    pub async fn committed_in_order(&self) -> Vec<String> {
+        sqlx::query_scalar("SELECT message_id FROM effects ORDER BY rowid")
+            .fetch_all(&self.pool)
+            .await
+            .unwrap()
+    }
+
     /// The attempts the handlers saw of `message_id`, in order.
     pub fn attempts_of(&self, message_id: &str) -> Vec<Attempt> {
         self.attempts
