@@ -74,11 +74,27 @@ async fn reset(pool: &PgPool) {
 
 /// Commits `count` outgoing messages to `destination`, 500 per transaction.
 async fn fill_outbox(inbox: &Inbox<Postgres>, count: usize, destination: &Destination) {
+    fill_keyed_outbox(inbox, count, destination, 0).await;
+}
+
+/// Commits `count` outgoing messages to `destination`, 500 per transaction, message `i` with the
+/// ordering key `key-{i % keys}` (none when `keys` is 0).
+async fn fill_keyed_outbox(
+    inbox: &Inbox<Postgres>,
+    count: usize,
+    destination: &Destination,
+    keys: usize,
+) {
     let run = uuid::Uuid::new_v4().simple().to_string();
     for chunk in (0..count).collect::<Vec<_>>().chunks(500) {
         let mut outbox = Outbox::new("bench", &format!("{run}-{}", chunk[0])).unwrap();
         for i in chunk {
-            outbox.send(OutgoingMessage::new(destination.clone(), payload(*i)));
+            let message = OutgoingMessage::new(destination.clone(), payload(*i));
+            outbox.send(if keys == 0 {
+                message
+            } else {
+                message.with_ordering_key(format!("key-{}", i % keys))
+            });
         }
         let mut tx = inbox.pool().begin().await.unwrap();
         inbox.enqueue(&mut tx, outbox).await.unwrap();
@@ -492,6 +508,64 @@ where
     rate(count, start.elapsed())
 }
 
+/// Ordering keys in the keyed drain.
+const KEYS: usize = 50;
+
+/// The relay draining `count` rows without ordering keys and with [`KEYS`] of them, at 1 and 4
+/// workers, batches of 500, through RabbitMQ, median of 3 rounds; prints the rates, the keyed
+/// drain's ratio to the unkeyed one and both rates' ratios to `limit` (the broker's own loop).
+async fn keyed_drain(
+    inbox: &Inbox<Postgres>,
+    pool: &PgPool,
+    channel: &Channel,
+    queue: &str,
+    count: usize,
+    limit: f64,
+) {
+    const BATCH: usize = 500;
+    let runs = [(1, 0), (1, KEYS), (4, 0), (4, KEYS)];
+    let mut rates: Vec<Vec<f64>> = vec![Vec::new(); runs.len()];
+    for _ in 0..3 {
+        for (run, (workers, keys)) in runs.iter().enumerate() {
+            reset(pool).await;
+            fill_keyed_outbox(inbox, count, &Destination::queue(queue), *keys).await;
+            let publisher =
+                idempotent::broker::rabbitmq::OutboxPublisher::connect(&env("IDEMPOTENT_AMQP_URL"))
+                    .await
+                    .unwrap();
+            let options = RelayOptions::default()
+                .batch_size(BATCH)
+                .workers(*workers);
+            rates[run].push(drain(inbox, publisher, options, count).await);
+            purge(channel, queue).await;
+        }
+    }
+    let median: Vec<f64> = rates
+        .into_iter()
+        .map(|mut r| {
+            r.sort_by(f64::total_cmp);
+            r[r.len() / 2]
+        })
+        .collect();
+    println!(
+        "\n## Keyed drain ({count} messages each, batches of {BATCH}, RabbitMQ, median of 3 rounds)\n"
+    );
+    println!(
+        "| workers | no ordering key, messages/s | {KEYS} ordering keys, messages/s | keyed / unkeyed | unkeyed × RabbitMQ's own | keyed × RabbitMQ's own |"
+    );
+    println!("|---|---|---|---|---|---|");
+    for (at, workers) in [(0, 1), (2, 4)] {
+        let (unkeyed, keyed) = (median[at], median[at + 1]);
+        println!(
+            "| {workers} | {unkeyed:.0} | {keyed:.0} | {:.2} | {:.2} | {:.2} |",
+            keyed / unkeyed,
+            unkeyed / limit,
+            keyed / limit
+        );
+    }
+    println!("\n(RabbitMQ's own loop, best of 6: {limit:.0} messages/s)");
+}
+
 fn ms(d: Duration) -> String {
     format!("{:.1}", d.as_secs_f64() * 1000.0)
 }
@@ -517,7 +591,8 @@ async fn main() {
         .and_then(|n| n.parse().ok())
         .unwrap_or(20_000);
 
-    // The sections named after `--bench` (`throughput`, `latency`, `cost`), or all.
+    // The sections named after `--bench` (`throughput`, which includes `keyed`, `latency`, `cost`),
+    // or all.
     let named: Vec<String> = std::env::args()
         .skip(1)
         .filter(|arg| !arg.starts_with('-'))
@@ -534,19 +609,26 @@ async fn main() {
         )
         .await
         .unwrap();
+    // RabbitMQ's own publish-with-confirm loop, best of 6: what the relays are measured against.
+    let rabbitmq_own = if wanted("throughput") || wanted("keyed") {
+        let mut best: f64 = 0.0;
+        for _ in 0..3 {
+            best = best.max(rabbitmq_limit(&channel, &queue, count).await);
+            purge(&channel, &queue).await;
+            best = best.max(rabbitmq_limit_grouped(&channel, &queue, count).await);
+            purge(&channel, &queue).await;
+        }
+        best
+    } else {
+        f64::NAN
+    };
+    if wanted("throughput") || wanted("keyed") {
+        keyed_drain(&inbox, &pool, &channel, &queue, count, rabbitmq_own).await;
+    }
     if wanted("throughput") {
         // 1. Throughput: RabbitMQ.
         let mut throughput = Vec::new();
-        let limit = {
-            let mut best: f64 = 0.0;
-            for _ in 0..3 {
-                best = best.max(rabbitmq_limit(&channel, &queue, count).await);
-                purge(&channel, &queue).await;
-                best = best.max(rabbitmq_limit_grouped(&channel, &queue, count).await);
-                purge(&channel, &queue).await;
-            }
-            best
-        };
+        let limit = rabbitmq_own;
         throughput.push((
             "RabbitMQ",
             "broker's own loop (best of 6)".to_owned(),
