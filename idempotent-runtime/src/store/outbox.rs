@@ -157,6 +157,8 @@ pub struct OutboxStatements {
     /// Writers send [`notify`](Self::notify) (unless turned off: relays that only poll).
     notifies: bool,
     take_unkeyed: Arc<str>,
+    /// `1` if a row without an ordering key is pending and due, else `0`.
+    unkeyed_waiting: Arc<str>,
     heads: Arc<str>,
     /// [`heads`](Self::heads) with parked rows holding their keys.
     heads_held: Arc<str>,
@@ -235,6 +237,10 @@ impl OutboxStatements {
                  ORDER BY id LIMIT {}",
                 p().next()
             ),
+        );
+        let unkeyed_waiting = format!(
+            "SELECT COUNT(*) FROM (SELECT 1 AS w FROM {o} WHERE state = {PENDING} \
+             AND ordering_key IS NULL AND due_at <= {now} LIMIT 1) w"
         );
         // Each key's head (its row with the lowest number among the `candidates`), of the keys
         // whose head is pending and due: a key in back-off takes no slot from one that is ready,
@@ -378,6 +384,7 @@ impl OutboxStatements {
             notify,
             notifies: true,
             take_unkeyed: take_unkeyed.into(),
+            unkeyed_waiting: unkeyed_waiting.into(),
             heads: heads.into(),
             heads_held: heads_held.into(),
             mark_failed: mark_failed.into(),
@@ -511,7 +518,8 @@ pub trait OutboxQueries: Database {
     ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a;
 
     /// Takes, in the open transaction, at most `limit` due rows that no other relay holds: rows
-    /// with an ordering key first (at most half of `limit`), then rows without one, in order.
+    /// with an ordering key first (at most half of `limit` while rows without one are waiting),
+    /// then rows without one, in order.
     ///
     /// The keys are those of `share` whose oldest pending row is oldest first; of each, the rows
     /// from its head (its first row not yet sent, when `parked` holds keys; its first pending row
@@ -671,13 +679,13 @@ where
         share: KeyShare,
     ) -> Result<Vec<TakenRow>, sqlx::Error> {
         let limit = limit.max(1);
-        let keyed = limit.div_ceil(2);
+        let keys = limit.div_ceil(2);
         let heads = match parked {
             ParkedRows::LetTheKeyGo => &statements.heads,
             ParkedRows::HoldTheKey => &statements.heads_held,
         };
         // As many heads of every key as this share wants of its own.
-        let wanted = keyed.saturating_mul(share.workers);
+        let wanted = keys.saturating_mul(share.workers);
         let heads: Vec<(String, i64)> = statements
             .query_as(AssertSqlSafe(heads.clone()))
             .bind(i64::try_from(wanted).unwrap_or(i64::MAX))
@@ -686,10 +694,18 @@ where
         let heads: Vec<(String, i64)> = heads
             .into_iter()
             .filter(|(key, _)| share.holds(key))
-            .take(keyed)
+            .take(keys)
             .collect();
         let mut rows: Vec<TakenRow> = Vec::with_capacity(limit);
+        let mut unkeyed_waiting = true;
         if !heads.is_empty() {
+            // The keys take half the batch while rows without a key wait, or all of it.
+            let (waiting,): (i64,) = statements
+                .query_as(AssertSqlSafe(statements.unkeyed_waiting.clone()))
+                .fetch_one(&mut *conn)
+                .await?;
+            unkeyed_waiting = waiting > 0;
+            let keyed = if unkeyed_waiting { keys } else { limit };
             let depth = i64::try_from(keyed / heads.len()).unwrap_or(1).max(1);
             let mut query = statements.query_as(AssertSqlSafe(statements.take_runs(heads.len())));
             for (key, seq) in &heads {
@@ -709,7 +725,7 @@ where
             rows = runs;
         }
         let rest = limit.saturating_sub(rows.len());
-        if rest > 0 {
+        if rest > 0 && unkeyed_waiting {
             let unkeyed: Vec<TakenRow> = statements
                 .query_as(AssertSqlSafe(statements.take_unkeyed.clone()))
                 .bind(i64::try_from(rest).unwrap_or(i64::MAX))
@@ -869,12 +885,18 @@ where
 /// each key's run, its rows from its head on with consecutive numbers, and the rest: all of a key
 /// whose head is missing (another relay holds it, or it was sent meanwhile), and a key's rows past
 /// a gap in its numbers (a row not pending or not due, or held by another relay).
-fn consecutive_runs(heads: &[(String, i64)], taken: Vec<TakenRow>) -> (Vec<TakenRow>, Vec<TakenRow>) {
-    let first: std::collections::HashMap<&str, i64> =
-        heads.iter().map(|(key, seq)| (key.as_str(), *seq)).collect();
+fn consecutive_runs(
+    heads: &[(String, i64)],
+    taken: Vec<TakenRow>,
+) -> (Vec<TakenRow>, Vec<TakenRow>) {
+    let first: std::collections::HashMap<&str, i64> = heads
+        .iter()
+        .map(|(key, seq)| (key.as_str(), *seq))
+        .collect();
     let mut taken = taken;
     taken.sort_by(|a, b| {
-        (a.ordering_key.as_deref(), a.ordering_seq).cmp(&(b.ordering_key.as_deref(), b.ordering_seq))
+        (a.ordering_key.as_deref(), a.ordering_seq)
+            .cmp(&(b.ordering_key.as_deref(), b.ordering_seq))
     });
     let (mut runs, mut broken) = (Vec::with_capacity(taken.len()), Vec::new());
     let mut next: Option<(String, i64)> = None;
@@ -1009,7 +1031,11 @@ mod tests {
 
     #[test]
     fn a_keys_run_starts_at_its_head_and_ends_at_its_first_gap() {
-        let heads = [("a".to_owned(), 3), ("b".to_owned(), 1), ("c".to_owned(), 7)];
+        let heads = [
+            ("a".to_owned(), 3),
+            ("b".to_owned(), 1),
+            ("c".to_owned(), 7),
+        ];
         let taken = vec![
             // a: 3, 4, then 6 past the gap (5 is held by another relay, or not due)
             taken(14, "a", 6),
