@@ -9,7 +9,9 @@
 //! 1. **Relay throughput** against the broker's own limit: the broker's publish-with-confirm rate
 //!    (a hand-written loop on one channel or context, persistent messages with ids, up to 1,000
 //!    unconfirmed at once: the best this machine's broker does), then a relay draining the same
-//!    number of committed outgoing rows through the outbox's publisher, by batch size and workers.
+//!    number of committed outgoing rows through the outbox's publisher, by batch size and workers;
+//!    and the keyed drain (section `keyed`): rows without an ordering key against rows on 50 keys,
+//!    at 1 and 4 workers, as ratios to each other and to the broker's own loop.
 //! 2. **Commit-to-publish latency**: handlers commit one outgoing message each at a steady rate
 //!    (one worker at 100/s, eight at 1,000/s); from each commit's return to the broker's
 //!    confirmation of its message, p50 and p99, with the relay woken by `LISTEN/NOTIFY` and with
@@ -18,7 +20,8 @@
 //!    message, 8 workers, as a ratio: the relays woken after the commit (the default), by a
 //!    `NOTIFY` in the transaction (as before), and not at all (relays that poll).
 //!
-//! Sections by name: `cargo bench --bench outbox --features rabbitmq,nats,postgres -- latency cost`.
+//! Sections by name: `cargo bench --bench outbox --features rabbitmq,nats,postgres -- latency cost`
+//! (`throughput` includes `keyed`).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
