@@ -9,7 +9,9 @@
 //! 1. **Relay throughput** against the broker's own limit: the broker's publish-with-confirm rate
 //!    (a hand-written loop on one channel or context, persistent messages with ids, up to 1,000
 //!    unconfirmed at once: the best this machine's broker does), then a relay draining the same
-//!    number of committed outgoing rows through the outbox's publisher, by batch size and workers.
+//!    number of committed outgoing rows through the outbox's publisher, by batch size and workers;
+//!    and the keyed drain (section `keyed`): rows without an ordering key against rows on 50 keys,
+//!    at 1 and 4 workers, as ratios to each other and to the broker's own loop.
 //! 2. **Commit-to-publish latency**: handlers commit one outgoing message each at a steady rate
 //!    (one worker at 100/s, eight at 1,000/s); from each commit's return to the broker's
 //!    confirmation of its message, p50 and p99, with the relay woken by `LISTEN/NOTIFY` and with
@@ -18,7 +20,8 @@
 //!    message, 8 workers, as a ratio: the relays woken after the commit (the default), by a
 //!    `NOTIFY` in the transaction (as before), and not at all (relays that poll).
 //!
-//! Sections by name: `cargo bench --bench outbox --features rabbitmq,nats,postgres -- latency cost`.
+//! Sections by name: `cargo bench --bench outbox --features rabbitmq,nats,postgres -- latency cost`
+//! (`throughput` includes `keyed`).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -74,11 +77,27 @@ async fn reset(pool: &PgPool) {
 
 /// Commits `count` outgoing messages to `destination`, 500 per transaction.
 async fn fill_outbox(inbox: &Inbox<Postgres>, count: usize, destination: &Destination) {
+    fill_keyed_outbox(inbox, count, destination, 0).await;
+}
+
+/// Commits `count` outgoing messages to `destination`, 500 per transaction, message `i` with the
+/// ordering key `key-{i % keys}` (none when `keys` is 0).
+async fn fill_keyed_outbox(
+    inbox: &Inbox<Postgres>,
+    count: usize,
+    destination: &Destination,
+    keys: usize,
+) {
     let run = uuid::Uuid::new_v4().simple().to_string();
     for chunk in (0..count).collect::<Vec<_>>().chunks(500) {
         let mut outbox = Outbox::new("bench", &format!("{run}-{}", chunk[0])).unwrap();
         for i in chunk {
-            outbox.send(OutgoingMessage::new(destination.clone(), payload(*i)));
+            let message = OutgoingMessage::new(destination.clone(), payload(*i));
+            outbox.send(if keys == 0 {
+                message
+            } else {
+                message.with_ordering_key(format!("key-{}", i % keys))
+            });
         }
         let mut tx = inbox.pool().begin().await.unwrap();
         inbox.enqueue(&mut tx, outbox).await.unwrap();
@@ -156,11 +175,16 @@ async fn rabbitmq_limit_grouped(channel: &Channel, queue: &str, count: usize) ->
 
 /// RabbitMQ: `count` persistent, mandatory messages with ids, at most [`WINDOW`] unconfirmed.
 async fn rabbitmq_limit(channel: &Channel, queue: &str, count: usize) -> f64 {
+    rabbitmq_limit_window(channel, queue, count, WINDOW).await
+}
+
+/// RabbitMQ: `count` persistent, mandatory messages with ids, at most `window` unconfirmed.
+async fn rabbitmq_limit_window(channel: &Channel, queue: &str, count: usize, window: usize) -> f64 {
     let start = Instant::now();
     let mut confirms: FuturesUnordered<idempotent::broker::rabbitmq::lapin::PublisherConfirm> =
         FuturesUnordered::new();
     for i in 0..count {
-        if confirms.len() >= WINDOW {
+        if confirms.len() >= window {
             confirms.next().await.unwrap().unwrap();
         }
         let properties = BasicProperties::default()
@@ -492,6 +516,75 @@ where
     rate(count, start.elapsed())
 }
 
+/// Ordering keys in the keyed drain.
+const KEYS: usize = 50;
+
+/// The relay draining `count` rows without ordering keys and with [`KEYS`] of them, at 1 and 4
+/// workers, batches of 500, through RabbitMQ, median of 3 rounds; prints the rates, the keyed
+/// drain's ratio to the unkeyed one and both rates' ratios to `limit` (the broker's own loop),
+/// and the broker's own loop with [`KEYS`] messages unconfirmed at most: a relay publishes one
+/// message of a key at a time, so that is the most [`KEYS`] keys can go.
+async fn keyed_drain(
+    inbox: &Inbox<Postgres>,
+    pool: &PgPool,
+    channel: &Channel,
+    queue: &str,
+    count: usize,
+    limit: f64,
+) {
+    const BATCH: usize = 500;
+    // The most a relay can do with KEYS keys: one message of each in flight at once.
+    let mut ceiling: f64 = 0.0;
+    for _ in 0..3 {
+        ceiling = ceiling.max(rabbitmq_limit_window(channel, queue, count, KEYS).await);
+        purge(channel, queue).await;
+    }
+    let runs = [(1, 0), (1, KEYS), (4, 0), (4, KEYS)];
+    let mut rates: Vec<Vec<f64>> = vec![Vec::new(); runs.len()];
+    for _ in 0..3 {
+        for (run, (workers, keys)) in runs.iter().enumerate() {
+            reset(pool).await;
+            fill_keyed_outbox(inbox, count, &Destination::queue(queue), *keys).await;
+            let publisher =
+                idempotent::broker::rabbitmq::OutboxPublisher::connect(&env("IDEMPOTENT_AMQP_URL"))
+                    .await
+                    .unwrap();
+            let options = RelayOptions::default().batch_size(BATCH).workers(*workers);
+            rates[run].push(drain(inbox, publisher, options, count).await);
+            purge(channel, queue).await;
+        }
+    }
+    let median: Vec<f64> = rates
+        .into_iter()
+        .map(|mut r| {
+            r.sort_by(f64::total_cmp);
+            r[r.len() / 2]
+        })
+        .collect();
+    println!(
+        "\n## Keyed drain ({count} messages each, batches of {BATCH}, RabbitMQ, median of 3 rounds)\n"
+    );
+    println!(
+        "| workers | no ordering key, messages/s | {KEYS} ordering keys, messages/s | keyed / unkeyed | unkeyed × RabbitMQ's own | keyed × RabbitMQ's own |"
+    );
+    println!("|---|---|---|---|---|---|");
+    for (at, workers) in [(0, 1), (2, 4)] {
+        let (unkeyed, keyed) = (median[at], median[at + 1]);
+        println!(
+            "| {workers} | {unkeyed:.0} | {keyed:.0} | {:.2} | {:.2} | {:.2} |",
+            keyed / unkeyed,
+            unkeyed / limit,
+            keyed / limit
+        );
+    }
+    println!(
+        "\n(RabbitMQ's own loop, best of 6: {limit:.0} messages/s; with at most {KEYS} unconfirmed, \
+         one per key as a keyed relay publishes, best of 3: {ceiling:.0} messages/s, and the \
+         keyed drain at 4 workers is {:.2} of it)",
+        median[3] / ceiling
+    );
+}
+
 fn ms(d: Duration) -> String {
     format!("{:.1}", d.as_secs_f64() * 1000.0)
 }
@@ -517,7 +610,8 @@ async fn main() {
         .and_then(|n| n.parse().ok())
         .unwrap_or(20_000);
 
-    // The sections named after `--bench` (`throughput`, `latency`, `cost`), or all.
+    // The sections named after `--bench` (`throughput`, which includes `keyed`, `latency`, `cost`),
+    // or all.
     let named: Vec<String> = std::env::args()
         .skip(1)
         .filter(|arg| !arg.starts_with('-'))
@@ -534,19 +628,26 @@ async fn main() {
         )
         .await
         .unwrap();
+    // RabbitMQ's own publish-with-confirm loop, best of 6: what the relays are measured against.
+    let rabbitmq_own = if wanted("throughput") || wanted("keyed") {
+        let mut best: f64 = 0.0;
+        for _ in 0..3 {
+            best = best.max(rabbitmq_limit(&channel, &queue, count).await);
+            purge(&channel, &queue).await;
+            best = best.max(rabbitmq_limit_grouped(&channel, &queue, count).await);
+            purge(&channel, &queue).await;
+        }
+        best
+    } else {
+        f64::NAN
+    };
+    if wanted("throughput") || wanted("keyed") {
+        keyed_drain(&inbox, &pool, &channel, &queue, count, rabbitmq_own).await;
+    }
     if wanted("throughput") {
         // 1. Throughput: RabbitMQ.
         let mut throughput = Vec::new();
-        let limit = {
-            let mut best: f64 = 0.0;
-            for _ in 0..3 {
-                best = best.max(rabbitmq_limit(&channel, &queue, count).await);
-                purge(&channel, &queue).await;
-                best = best.max(rabbitmq_limit_grouped(&channel, &queue, count).await);
-                purge(&channel, &queue).await;
-            }
-            best
-        };
+        let limit = rabbitmq_own;
         throughput.push((
             "RabbitMQ",
             "broker's own loop (best of 6)".to_owned(),

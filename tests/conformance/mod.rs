@@ -18,6 +18,7 @@ mod operations;
 mod outbox;
 mod outbox_held_keys;
 mod outbox_isolation;
+mod outbox_keyed_runs;
 pub use adversarial::*;
 pub use batch::*;
 pub use lifecycle::*;
@@ -25,6 +26,7 @@ pub use operations::*;
 pub use outbox::*;
 pub use outbox_held_keys::*;
 pub use outbox_isolation::*;
+pub use outbox_keyed_runs::*;
 
 pub async fn duplicate_delivery_runs_the_body_once(h: impl Harness) {
     let msg = Delivery::new("paid-1");
@@ -476,6 +478,7 @@ macro_rules! conformance_tests {
             keyed_writers_racing_relays_never_deadlock
             a_second_writer_of_an_ordering_key_waits_for_the_first_commit
             two_relays_never_let_a_held_keys_later_message_out
+            relays_racing_over_many_keys_keep_each_keys_order_and_publish_once
         );
     };
     (@unshared_locks $new:expr) => {
@@ -541,6 +544,7 @@ macro_rules! conformance_tests {
             a_skipped_message_lets_its_key_go_on_and_is_purged_as_sent
             unconfirmed_messages_stay_pending_without_counting_an_attempt
             keys_in_back_off_take_no_slots_from_ready_keys
+            a_refused_message_holds_back_the_rest_of_its_keys_batch
             sent_outgoing_rows_are_purged_after_the_outbox_retention
             migrate_upgrades_version_2_tables_to_the_outbox
         );

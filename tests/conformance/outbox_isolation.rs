@@ -31,8 +31,8 @@ fn keyed_outbox(label: &str, messages: &[(&str, &str)]) -> Outbox {
 
 /// 50 ordering keys whose first message the broker refuses (each then waits a minute before its
 /// next attempt), written first, then a healthy key with three messages. A batch takes at most
-/// half of its rows from keys (50 of 100), so keys in back-off, were they counted, would fill that
-/// half in every batch and the healthy key would wait until they were parked. It must not: the
+/// half as many keys as its size (50 of 100), so keys in back-off, were they counted, would fill
+/// every batch and the healthy key would wait until they were parked. It must not: the
 /// healthy key's messages go out in the next batches, in order, and the refused keys' second
 /// messages still wait behind their heads.
 pub async fn keys_in_back_off_take_no_slots_from_ready_keys(h: impl Harness) {
@@ -64,7 +64,7 @@ pub async fn keys_in_back_off_take_no_slots_from_ready_keys(h: impl Harness) {
             .map(|p| p.payload.clone())
             .collect()
     };
-    // One message of a key per batch: the healthy key needs three batches after the first.
+    // The healthy key's messages go out in the batches after the first.
     for _ in 0..10 {
         inbox.relay_once(&recorder, &options).await.unwrap();
         if healthy().len() == 3 {

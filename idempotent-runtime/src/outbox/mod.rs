@@ -47,7 +47,7 @@ use crate::inbox::{Config, Inbox, check_name};
 use crate::key::AsMessageKey;
 use crate::metrics::OutboxMetrics;
 use crate::retention::Retention;
-use crate::store::{Backend, database_error};
+use crate::store::{Backend, KeyShare, database_error};
 
 impl Outbox {
     /// Creates an empty outbox for a transaction of your own, whose messages' ids derive from
@@ -104,7 +104,7 @@ impl<DB: Backend> Inbox<DB> {
         options: &RelayOptions,
     ) -> Result<RelayReport, InboxError> {
         let metrics = OutboxMetrics::new(self.table().as_str());
-        relay::batch(self, publisher, options, &metrics).await
+        relay::batch(self, publisher, options, &metrics, KeyShare::ALL).await
     }
 
     /// On PostgreSQL, whether the relays are woken by `NOTIFY` when outgoing messages are

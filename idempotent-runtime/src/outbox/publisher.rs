@@ -91,7 +91,9 @@ impl PublishError {
 ///
 /// The implementations are `broker::rabbitmq::OutboxPublisher`, `broker::nats::OutboxPublisher`,
 /// `broker::kafka::OutboxPublisher` and `broker::sqs::OutboxPublisher` (features `rabbitmq`,
-/// `nats`, `kafka` and `sqs`); implement it for another broker. A relay calls it concurrently for the messages of one batch.
+/// `nats`, `kafka` and `sqs`); implement it for another broker. A relay calls it concurrently for the
+/// messages of one batch, except those of one ordering key: it publishes them one after another,
+/// each once the one before returned `Ok`.
 pub trait Publisher: Send + Sync + 'static {
     /// Publishes `publication` and waits for the broker's confirmation.
     fn publish(

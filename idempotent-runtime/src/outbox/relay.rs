@@ -7,6 +7,13 @@
 //! every confirmation, marks the confirmed rows sent and records the failures, and commits. A relay
 //! that dies anywhere in between (after the broker's confirmation too) leaves its rows pending, and
 //! the next batch publishes them again: at least once, never marked sent unconfirmed.
+//!
+//! A batch takes several consecutive rows of an ordering key (its head and those after it, in the
+//! key's order). Those it publishes one after another, each once the broker confirmed the one
+//! before, while other keys and rows without a key go on beside them; the first that fails stops
+//! its key, and the key's rows after it stay pending, untried ([`RelayReport::held_back`]), so a
+//! later message of a key never reaches the broker before an earlier one. The workers of one relay
+//! take different keys ([`KeyShare`]).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -22,7 +29,9 @@ use crate::inbox::outgoing::{Destination, decode_headers};
 use crate::inbox::{Inbox, commit};
 use crate::metrics::OutboxMetrics;
 use crate::session::Session;
-use crate::store::{Backend, Failure, PARKED, PENDING, ParkedRows, database_error};
+use crate::store::{
+    Backend, Failure, KeyShare, PARKED, PENDING, ParkedRows, TakenRow, database_error,
+};
 use crate::transaction::{BeginError, InboxTransaction};
 
 /// How a relay works; see [`Inbox::spawn_relay`].
@@ -186,6 +195,9 @@ pub struct RelayReport {
     /// Rows the broker did not confirm (unreachable, blocking publishers, no answer in time):
     /// left pending, with no attempt counted.
     pub unavailable: usize,
+    /// Rows not published because an earlier message of their ordering key, in the same batch,
+    /// failed: left pending as they were, untried, for a later batch to publish after it.
+    pub held_back: usize,
 }
 
 /// What a relay counted since it started: see [`Relay::stats`].
@@ -324,6 +336,7 @@ pub(crate) fn spawn<DB: Backend, P: Publisher>(
                 wake,
                 stopped: stopped.clone(),
                 samples_backlog: index == 0,
+                share: KeyShare::of(index, options.workers),
             };
             tokio::spawn(worker.run())
         })
@@ -345,6 +358,8 @@ struct Worker<DB: Backend, P> {
     wake: Arc<Notify>,
     stopped: watch::Receiver<bool>,
     samples_backlog: bool,
+    /// The ordering keys this worker takes.
+    share: KeyShare,
 }
 
 impl<DB: Backend, P: Publisher> Worker<DB, P> {
@@ -360,7 +375,14 @@ impl<DB: Backend, P: Publisher> Worker<DB, P> {
                 sampled = Some(Instant::now());
                 self.sample_backlog().await;
             }
-            let batch = batch(&self.inbox, &*self.publisher, &options, &self.metrics).await;
+            let batch = batch(
+                &self.inbox,
+                &*self.publisher,
+                &options,
+                &self.metrics,
+                self.share,
+            )
+            .await;
             let wait = match batch {
                 Ok(report) => {
                     self.counters.count(&report);
@@ -436,12 +458,13 @@ pub(crate) async fn backlog<DB: Backend>(inbox: &Inbox<DB>) -> Result<(u64, Dura
     Ok((rows.max(0) as u64, Duration::from_millis(age as u64)))
 }
 
-/// One batch; see the module docs.
+/// One batch, of the ordering keys of `share`; see the module docs.
 pub(crate) async fn batch<DB: Backend, P: Publisher>(
     inbox: &Inbox<DB>,
     publisher: &P,
     options: &RelayOptions,
     metrics: &OutboxMetrics,
+    share: KeyShare,
 ) -> Result<RelayReport, InboxError> {
     let span = tracing::info_span!(
         "outbox_batch",
@@ -451,9 +474,10 @@ pub(crate) async fn batch<DB: Backend, P: Publisher>(
         rejected = tracing::field::Empty,
         parked = tracing::field::Empty,
         unavailable = tracing::field::Empty,
+        held_back = tracing::field::Empty,
     );
     let report = tracing::Instrument::instrument(
-        run_batch(inbox, publisher, options, metrics),
+        run_batch(inbox, publisher, options, metrics, share),
         span.clone(),
     )
     .await?;
@@ -463,6 +487,7 @@ pub(crate) async fn batch<DB: Backend, P: Publisher>(
         span.record("rejected", report.rejected);
         span.record("parked", report.parked);
         span.record("unavailable", report.unavailable);
+        span.record("held_back", report.held_back);
         tracing::debug!(parent: &span, ?report, "outbox batch committed");
     }
     Ok(report)
@@ -473,6 +498,7 @@ async fn run_batch<DB: Backend, P: Publisher>(
     publisher: &P,
     options: &RelayOptions,
     metrics: &OutboxMetrics,
+    share: KeyShare,
 ) -> Result<RelayReport, InboxError> {
     let statements = &inbox.config.statements.outbox;
     let failed = || database_error(Stage::Relay);
@@ -486,6 +512,7 @@ async fn run_batch<DB: Backend, P: Publisher>(
         statements,
         options.batch_size,
         options.parked_rows(),
+        share,
     );
     let rows = match taken.await {
         Ok(rows) => rows,
@@ -512,19 +539,7 @@ async fn run_batch<DB: Backend, P: Publisher>(
                 .saturating_add(1),
         })
         .collect();
-    let outcomes =
-        futures_util::future::join_all(publications.iter().map(|publication| async move {
-            match tokio::time::timeout(options.publish_timeout, publisher.publish(publication))
-                .await
-            {
-                Ok(outcome) => outcome,
-                Err(_) => Err(PublishError::unavailable(format!(
-                    "no confirmation within {:?}",
-                    options.publish_timeout
-                ))),
-            }
-        }))
-        .await;
+    let outcomes = publish_in_key_order(&rows, &publications, publisher, options).await;
 
     let mut report = RelayReport {
         taken: rows.len(),
@@ -535,6 +550,12 @@ async fn run_batch<DB: Backend, P: Publisher>(
     let mut delays = Vec::new();
     let conn = tx.connection();
     for (row, outcome) in rows.iter().zip(&outcomes) {
+        let Some(outcome) = outcome else {
+            // After a failure of its key: as it was, pending (taken marked sent: set back).
+            report.held_back += 1;
+            unconfirmed.push(row.id);
+            continue;
+        };
         match outcome {
             Ok(()) => {
                 sent.push(row.id);
@@ -596,6 +617,68 @@ async fn run_batch<DB: Backend, P: Publisher>(
     metrics.retried(false, report.unavailable as u64);
     metrics.parked(report.parked as u64);
     Ok(report)
+}
+
+/// Publishes the `publications` of the batch's `rows` (one each, in the same order): those without
+/// an ordering key at once, each key's one after another in the key's order, each once the one
+/// before was confirmed, the keys side by side. A key's first failure ends its turn: what comes
+/// after it is not published (`None`).
+async fn publish_in_key_order<P: Publisher>(
+    rows: &[TakenRow],
+    publications: &[Publication],
+    publisher: &P,
+    options: &RelayOptions,
+) -> Vec<Option<Result<(), PublishError>>> {
+    // Each lane: the indexes of the rows it publishes in turn.
+    let mut lanes: Vec<Vec<usize>> = Vec::new();
+    let mut of_key: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
+    for (index, row) in rows.iter().enumerate() {
+        match row.ordering_key.as_deref() {
+            None => lanes.push(vec![index]),
+            Some(key) => {
+                let lane = *of_key.entry(key).or_insert_with(|| {
+                    lanes.push(Vec::new());
+                    lanes.len() - 1
+                });
+                lanes[lane].push(index);
+            }
+        }
+    }
+    for lane in &mut lanes {
+        lane.sort_by_key(|index| rows[*index].ordering_seq);
+    }
+    let publish_one = |index: usize| {
+        let publication = &publications[index];
+        async move {
+            let published = publisher.publish(publication);
+            match tokio::time::timeout(options.publish_timeout, published).await {
+                Ok(outcome) => outcome,
+                Err(_) => Err(PublishError::unavailable(format!(
+                    "no confirmation within {:?}",
+                    options.publish_timeout
+                ))),
+            }
+        }
+    };
+    let lanes = futures_util::future::join_all(lanes.into_iter().map(|lane| async move {
+        let mut done = Vec::with_capacity(lane.len());
+        for index in lane {
+            let outcome = publish_one(index).await;
+            let failed = outcome.is_err();
+            done.push((index, outcome));
+            if failed {
+                break;
+            }
+        }
+        done
+    }))
+    .await;
+    let mut outcomes: Vec<Option<Result<(), PublishError>>> =
+        std::iter::repeat_with(|| None).take(rows.len()).collect();
+    for (index, outcome) in lanes.into_iter().flatten() {
+        outcomes[index] = Some(outcome);
+    }
+    outcomes
 }
 
 /// At most a thousand bytes of `text`.

@@ -44,8 +44,8 @@ pub(crate) use dialect::{Dialect, OutboxDialect};
 pub(crate) use driver::{Ending, RolledBack, Store};
 pub(crate) use inbox::{InboxQueries, InboxStatements, InspectRow, ListRow, StoredRow};
 pub(crate) use outbox::{
-    Failure, HeldRow, NewRow, OutboxQueries, OutboxStatements, PARKED, PENDING, ParkedRows, SENT,
-    SKIPPED, ShownRow,
+    Failure, HeldRow, KeyShare, NewRow, OutboxQueries, OutboxStatements, PARKED, PENDING,
+    ParkedRows, SENT, SKIPPED, ShownRow, TakenRow,
 };
 pub(crate) use purge::{PurgeLock, PurgeQueries, PurgeScope, PurgeSql, PurgeStatements};
 pub(crate) use query::{

@@ -31,6 +31,8 @@ pub struct TakenRow {
     pub(crate) attempts: i64,
     pub(crate) created_at: i64,
     pub(crate) ordering_key: Option<String>,
+    /// Its number within its ordering key.
+    pub(crate) ordering_seq: Option<i64>,
     /// The database's clock as the row was taken.
     pub(crate) now_ms: i64,
 }
@@ -103,6 +105,44 @@ pub enum ParkedRows {
     HoldTheKey,
 }
 
+/// Which ordering keys a relay's worker takes: those whose hash falls to it, so that the workers
+/// of one relay each drain keys of their own at once, rather than all but one find every key's
+/// head held by the first. Only a choice of keys: the row locks keep a key's rows in order
+/// whichever worker (or relay) takes them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KeyShare {
+    worker: usize,
+    workers: usize,
+}
+
+impl KeyShare {
+    /// Every key: the share of a relay's only worker.
+    pub(crate) const ALL: Self = Self {
+        worker: 0,
+        workers: 1,
+    };
+
+    /// The share of worker `worker` of `workers`.
+    pub(crate) fn of(worker: usize, workers: usize) -> Self {
+        let workers = workers.max(1);
+        Self {
+            worker: worker % workers,
+            workers,
+        }
+    }
+
+    /// Whether `key` is in this share (FNV-1a of its bytes, modulo the workers).
+    fn holds(&self, key: &str) -> bool {
+        if self.workers == 1 {
+            return true;
+        }
+        let hash = key.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |hash, byte| {
+            (hash ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3)
+        });
+        hash % self.workers as u64 == self.worker as u64
+    }
+}
+
 /// The outbox's statements, built once from the dialect and the inbox's table name.
 #[derive(Debug, Clone)]
 pub struct OutboxStatements {
@@ -117,6 +157,8 @@ pub struct OutboxStatements {
     /// Writers send [`notify`](Self::notify) (unless turned off: relays that only poll).
     notifies: bool,
     take_unkeyed: Arc<str>,
+    /// `1` if a row without an ordering key is pending and due, else `0`.
+    unkeyed_waiting: Arc<str>,
     heads: Arc<str>,
     /// [`heads`](Self::heads) with parked rows holding their keys.
     heads_held: Arc<str>,
@@ -184,7 +226,7 @@ impl OutboxStatements {
         let notify = notify.map(|sql| sql.replace("{c}", &channel).into());
         let taken = format!(
             "id, message_id, exchange, routing_key, payload, headers, attempts, created_at, \
-             ordering_key, {now} AS now_ms"
+             ordering_key, ordering_seq, {now} AS now_ms"
         );
         let take_unkeyed = Self::take(
             dialect,
@@ -195,6 +237,10 @@ impl OutboxStatements {
                  ORDER BY id LIMIT {}",
                 p().next()
             ),
+        );
+        let unkeyed_waiting = format!(
+            "SELECT COUNT(*) FROM (SELECT 1 AS w FROM {o} WHERE state = {PENDING} \
+             AND ordering_key IS NULL AND due_at <= {now} LIMIT 1) w"
         );
         // Each key's head (its row with the lowest number among the `candidates`), of the keys
         // whose head is pending and due: a key in back-off takes no slot from one that is ready,
@@ -338,6 +384,7 @@ impl OutboxStatements {
             notify,
             notifies: true,
             take_unkeyed: take_unkeyed.into(),
+            unkeyed_waiting: unkeyed_waiting.into(),
             heads: heads.into(),
             heads_held: heads_held.into(),
             mark_failed: mark_failed.into(),
@@ -377,17 +424,22 @@ impl OutboxStatements {
         }
     }
 
-    /// Takes the due heads of these `keys` (`(key, seq)` pairs), skipping rows another relay holds.
-    fn take_keyed(&self, keys: usize) -> String {
+    /// Takes the pending, due rows of these `keys` whose numbers lie in each key's range (`(key,
+    /// first, last)` triples), skipping rows another relay holds.
+    fn take_runs(&self, keys: usize) -> String {
         let mut p = Params::new(&self.dialect);
-        let pairs: Vec<String> = (0..keys)
-            .map(|_| format!("({}, {})", p.next(), p.next()))
+        let runs: Vec<String> = (0..keys)
+            .map(|_| {
+                let (key, first, last) = (p.next(), p.next(), p.next());
+                format!(
+                    "(ordering_key = {key} AND ordering_seq >= {first} AND ordering_seq <= {last})"
+                )
+            })
             .collect();
         let which = format!(
-            "state = {PENDING} AND due_at <= {} AND (ordering_key, ordering_seq) IN ({}) \
-             ORDER BY id",
+            "state = {PENDING} AND due_at <= {} AND ({}) ORDER BY id",
             self.dialect.now_ms,
-            pairs.join(", ")
+            runs.join(" OR ")
         );
         Self::take(&self.dialect, &self.table, &self.taken, &which)
     }
@@ -465,15 +517,22 @@ pub trait OutboxQueries: Database {
         statements: &'a OutboxStatements,
     ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a;
 
-    /// Takes, in the open transaction, at most `limit` due rows that no other relay holds: the
-    /// due head of each ordering key first (at most half of `limit`, the keys whose oldest pending
-    /// row is oldest first; a key whose head waits for its next attempt is left out, and so is a
-    /// key whose head is parked when `parked` holds it), then rows without one, in order.
+    /// Takes, in the open transaction, at most `limit` due rows that no other relay holds: rows
+    /// with an ordering key first (at most half of `limit` while rows without one are waiting),
+    /// then rows without one, in order.
+    ///
+    /// The keys are those of `share` whose oldest pending row is oldest first; of each, the rows
+    /// from its head (its first row not yet sent, when `parked` holds keys; its first pending row
+    /// otherwise) on, in the key's order, as many as the keys share evenly, up to the first that
+    /// is not pending and due (in back-off, parked, sent or skipped) or that another relay holds.
+    /// A key whose head is not due, or that another relay holds, is left out. A key's rows are
+    /// returned consecutive, in its order, so that a relay can publish them one after another.
     fn outbox_take<'a>(
         conn: &'a mut Self::Connection,
         statements: &'a OutboxStatements,
         limit: usize,
         parked: ParkedRows,
+        share: KeyShare,
     ) -> impl Future<Output = Result<Vec<TakenRow>, sqlx::Error>> + Send + 'a;
 
     /// Marks the rows `ids` sent, or (`sent` false) pending again: what a relay took and the
@@ -617,27 +676,56 @@ where
         statements: &OutboxStatements,
         limit: usize,
         parked: ParkedRows,
+        share: KeyShare,
     ) -> Result<Vec<TakenRow>, sqlx::Error> {
         let limit = limit.max(1);
+        let keys = limit.div_ceil(2);
         let heads = match parked {
             ParkedRows::LetTheKeyGo => &statements.heads,
             ParkedRows::HoldTheKey => &statements.heads_held,
         };
+        // As many heads of every key as this share wants of its own.
+        let wanted = keys.saturating_mul(share.workers);
         let heads: Vec<(String, i64)> = statements
             .query_as(AssertSqlSafe(heads.clone()))
-            .bind(i64::try_from(limit.div_ceil(2)).unwrap_or(i64::MAX))
+            .bind(i64::try_from(wanted).unwrap_or(i64::MAX))
             .fetch_all(&mut *conn)
             .await?;
+        let heads: Vec<(String, i64)> = heads
+            .into_iter()
+            .filter(|(key, _)| share.holds(key))
+            .take(keys)
+            .collect();
         let mut rows: Vec<TakenRow> = Vec::with_capacity(limit);
+        let mut unkeyed_waiting = true;
         if !heads.is_empty() {
-            let mut query = statements.query_as(AssertSqlSafe(statements.take_keyed(heads.len())));
+            // The keys take half the batch while rows without a key wait, or all of it.
+            let (waiting,): (i64,) = statements
+                .query_as(AssertSqlSafe(statements.unkeyed_waiting.clone()))
+                .fetch_one(&mut *conn)
+                .await?;
+            unkeyed_waiting = waiting > 0;
+            let keyed = if unkeyed_waiting { keys } else { limit };
+            let depth = i64::try_from(keyed / heads.len()).unwrap_or(1).max(1);
+            let mut query = statements.query_as(AssertSqlSafe(statements.take_runs(heads.len())));
             for (key, seq) in &heads {
-                query = query.bind(key.as_str()).bind(*seq);
+                query = query
+                    .bind(key.as_str())
+                    .bind(*seq)
+                    .bind(seq.saturating_add(depth - 1));
             }
-            rows = query.fetch_all(&mut *conn).await?;
+            let taken: Vec<TakenRow> = query.fetch_all(&mut *conn).await?;
+            let (runs, broken) = consecutive_runs(&heads, taken);
+            // Rows past a key's first gap: another relay holds the row before them, or it is not
+            // pending and due. Not this batch's: taken marked sent, they are set back.
+            if !broken.is_empty() && statements.marks_on_take() {
+                let ids: Vec<i64> = broken.iter().map(|row| row.id).collect();
+                Self::outbox_set_sent(&mut *conn, statements, &ids, false).await?;
+            }
+            rows = runs;
         }
         let rest = limit.saturating_sub(rows.len());
-        if rest > 0 {
+        if rest > 0 && unkeyed_waiting {
             let unkeyed: Vec<TakenRow> = statements
                 .query_as(AssertSqlSafe(statements.take_unkeyed.clone()))
                 .bind(i64::try_from(rest).unwrap_or(i64::MAX))
@@ -793,6 +881,46 @@ where
     }
 }
 
+/// Splits the rows taken of the keys whose `heads` (`(key, first number)`) were asked for into
+/// each key's run, its rows from its head on with consecutive numbers, and the rest: all of a key
+/// whose head is missing (another relay holds it, or it was sent meanwhile), and a key's rows past
+/// a gap in its numbers (a row not pending or not due, or held by another relay).
+fn consecutive_runs(
+    heads: &[(String, i64)],
+    taken: Vec<TakenRow>,
+) -> (Vec<TakenRow>, Vec<TakenRow>) {
+    let first: std::collections::HashMap<&str, i64> = heads
+        .iter()
+        .map(|(key, seq)| (key.as_str(), *seq))
+        .collect();
+    let mut taken = taken;
+    taken.sort_by(|a, b| {
+        (a.ordering_key.as_deref(), a.ordering_seq)
+            .cmp(&(b.ordering_key.as_deref(), b.ordering_seq))
+    });
+    let (mut runs, mut broken) = (Vec::with_capacity(taken.len()), Vec::new());
+    let mut next: Option<(String, i64)> = None;
+    for row in taken {
+        let (Some(key), Some(seq)) = (row.ordering_key.as_deref(), row.ordering_seq) else {
+            broken.push(row);
+            continue;
+        };
+        let expected = match &next {
+            Some((run, after)) if run == key => Some(*after),
+            _ => first.get(key).copied(),
+        };
+        if expected == Some(seq) {
+            next = Some((key.to_owned(), seq.saturating_add(1)));
+            runs.push(row);
+        } else {
+            // Past the gap, nothing more of this key: expect a number none has.
+            next = Some((key.to_owned(), i64::MIN));
+            broken.push(row);
+        }
+    }
+    (runs, broken)
+}
+
 /// Runs `sql`, which changes the parked row `id` (and no other), in a transaction of its own;
 /// whether the row was parked.
 async fn unpark<DB>(
@@ -869,10 +997,11 @@ mod tests {
             s.take_unkeyed
                 .contains("ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED) RETURNING id,")
         );
-        assert!(
-            s.take_keyed(2)
-                .contains("IN (($1, $2), ($3, $4)) ORDER BY id FOR UPDATE SKIP LOCKED)")
-        );
+        assert!(s.take_runs(2).contains(
+            "AND ((ordering_key = $1 AND ordering_seq >= $2 AND ordering_seq <= $3) \
+             OR (ordering_key = $4 AND ordering_seq >= $5 AND ordering_seq <= $6)) \
+             ORDER BY id FOR UPDATE SKIP LOCKED)"
+        ));
         assert!(
             s.set_state(3, PENDING)
                 .ends_with("SET state = 0, sent_at = NULL WHERE id IN ($1, $2, $3)")
@@ -882,6 +1011,63 @@ mod tests {
             Some("SELECT pg_notify('shop_outbox', '')")
         );
         assert_eq!(s.purge_keys.binds.len(), 3);
+    }
+
+    fn taken(id: i64, key: &str, seq: i64) -> TakenRow {
+        TakenRow {
+            id,
+            message_id: format!("m{id}"),
+            exchange: String::new(),
+            routing_key: String::new(),
+            payload: Vec::new(),
+            headers: None,
+            attempts: 0,
+            created_at: 0,
+            ordering_key: Some(key.to_owned()),
+            ordering_seq: Some(seq),
+            now_ms: 0,
+        }
+    }
+
+    #[test]
+    fn a_keys_run_starts_at_its_head_and_ends_at_its_first_gap() {
+        let heads = [
+            ("a".to_owned(), 3),
+            ("b".to_owned(), 1),
+            ("c".to_owned(), 7),
+        ];
+        let taken = vec![
+            // a: 3, 4, then 6 past the gap (5 is held by another relay, or not due)
+            taken(14, "a", 6),
+            taken(11, "a", 3),
+            taken(12, "a", 4),
+            // b: its head 1 is missing (another relay holds it): none of b
+            taken(21, "b", 2),
+            taken(22, "b", 3),
+            // c: 7, 8, 9
+            taken(31, "c", 7),
+            taken(33, "c", 9),
+            taken(32, "c", 8),
+        ];
+        let (runs, broken) = consecutive_runs(&heads, taken);
+        let ids = |rows: &[TakenRow]| rows.iter().map(|row| row.id).collect::<Vec<_>>();
+        assert_eq!(ids(&runs), [11, 12, 31, 32, 33]);
+        assert_eq!(ids(&broken), [14, 21, 22]);
+    }
+
+    #[test]
+    fn the_workers_of_a_relay_share_the_keys_between_them() {
+        let keys: Vec<String> = (0..200).map(|i| format!("key-{i}")).collect();
+        let shares: Vec<KeyShare> = (0..4).map(|worker| KeyShare::of(worker, 4)).collect();
+        for key in &keys {
+            let holders = shares.iter().filter(|share| share.holds(key)).count();
+            assert_eq!(holders, 1, "{key}");
+            assert!(KeyShare::ALL.holds(key));
+        }
+        for share in &shares {
+            let held = keys.iter().filter(|key| share.holds(key)).count();
+            assert!((25..=75).contains(&held), "{share:?} holds {held} of 200");
+        }
     }
 
     #[test]
