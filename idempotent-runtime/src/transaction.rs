@@ -48,6 +48,9 @@ pub(crate) struct InboxTransaction<DB: Backend> {
     state: DB::TransactionState,
     /// This transaction's turn in the writers' queue, released when it ends.
     _turn: Option<OwnedSemaphorePermit>,
+    /// A statement of the inbox's proved it the one the inbox began, with nothing failed in it,
+    /// and no statement of the body's ran since: the commit needs no check of its own.
+    proven: bool,
 }
 
 /// What a claim found.
@@ -181,6 +184,7 @@ impl<DB: Backend> InboxTransaction<DB> {
             session,
             state,
             _turn: turn,
+            proven: false,
         })
     }
 
@@ -301,9 +305,22 @@ impl<DB: Backend> InboxTransaction<DB> {
         }
     }
 
-    /// The transaction's connection.
+    /// The transaction's connection, for the inbox's own statements.
     pub(crate) fn connection(&mut self) -> &mut DB::Connection {
         self.session.get()
+    }
+
+    /// The transaction's connection, for the body's statements: what was proved of the
+    /// transaction no longer holds.
+    pub(crate) fn body_connection(&mut self) -> &mut DB::Connection {
+        self.proven = false;
+        self.session.get()
+    }
+
+    /// Notes that the inbox's last statement proved the transaction (see
+    /// [`Store::commit_proven`](crate::store::Store::commit_proven)).
+    pub(crate) fn proved(&mut self) {
+        self.proven = true;
     }
 
     /// Commits, if the transaction is still the one the inbox began and nothing in it failed;
@@ -311,10 +328,15 @@ impl<DB: Backend> InboxTransaction<DB> {
     /// connection is closed.
     pub(crate) async fn commit(mut self) -> Committed<DB> {
         let state = &self.state;
-        let ending = self
-            .session
-            .try_step(|conn| DB::commit(conn, state))
-            .await?;
+        let ending = if self.proven {
+            self.session
+                .try_step(|conn| DB::commit_proven(conn, state))
+                .await?
+        } else {
+            self.session
+                .try_step(|conn| DB::commit(conn, state))
+                .await?
+        };
         Ok((ending, self.release()))
     }
 

@@ -53,9 +53,11 @@ impl<DB: Backend> Claimed<DB> {
         }
     }
 
-    /// Stores `response` (bytes as they are) with the claimed row, in this transaction.
+    /// Stores `response` (bytes as they are) with the claimed row, in this transaction: the last
+    /// statement before the commit (on PostgreSQL its row proves the transaction, and the commit
+    /// makes no check of its own unless the body's connection is taken again).
     pub(crate) async fn store_response(&mut self, response: &[u8]) -> Result<(), InboxError> {
-        DB::set_response(
+        let proved = DB::set_response(
             self.tx.connection(),
             &self.config.statements.inbox,
             &self.consumer,
@@ -63,7 +65,11 @@ impl<DB: Backend> Claimed<DB> {
             response,
         )
         .await
-        .map_err(database_error(Stage::StoreResponse))
+        .map_err(database_error(Stage::StoreResponse))?;
+        if proved {
+            self.tx.proved();
+        }
+        Ok(())
     }
 
     /// Whether the claimed key's row is gone from what this transaction sees: the handler rolled
@@ -83,7 +89,7 @@ impl<DB: Backend> Claimed<DB> {
 
     /// Returns the transaction's connection, for the handler's own statements.
     pub fn connection(&mut self) -> &mut DB::Connection {
-        self.tx.connection()
+        self.tx.body_connection()
     }
 
     /// Returns the messages to send with this transaction: [`commit`](Self::commit) writes them to
@@ -96,7 +102,7 @@ impl<DB: Backend> Claimed<DB> {
     /// Returns the transaction's connection and the outbox, both at once (what a handler with an
     /// `outbox: &mut Outbox` parameter is handed).
     pub fn connection_and_outbox(&mut self) -> (&mut DB::Connection, &mut Outbox) {
-        (self.tx.connection(), &mut self.outbox)
+        (self.tx.body_connection(), &mut self.outbox)
     }
 
     /// Returns the claimed key.

@@ -33,6 +33,11 @@ pub struct Dialect {
     /// `None` where there is no server (SQLite).
     #[cfg_attr(not(feature = "testing"), allow(dead_code))]
     pub(crate) end_own_connection: Option<&'static str>,
+    /// A condition true only inside the transaction the inbox began (PostgreSQL: the mark its
+    /// `BEGIN` sets); `None` where the commit proves it otherwise. The response's `UPDATE` carries
+    /// it, so that the row it changed proves the transaction, and the commit that follows needs no
+    /// read of its own (one round trip fewer).
+    pub(crate) own_transaction: Option<&'static str>,
     /// What the outbox's statements need besides (see [`OutboxDialect`]).
     pub(crate) outbox: OutboxDialect,
 }

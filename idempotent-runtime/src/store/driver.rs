@@ -117,6 +117,16 @@ pub trait Store: sqlx::Database + Sized {
         state: &Self::TransactionState,
     ) -> impl Future<Output = Result<Ending, sqlx::Error>> + Send;
 
+    /// Commits the open transaction, which a statement of the inbox's proved to be the one it
+    /// began with nothing failed in it ([`Dialect::own_transaction`](super::Dialect)), with no
+    /// statement of the body's since. Where nothing proves it, [`commit`](Store::commit).
+    fn commit_proven(
+        conn: &mut Self::Connection,
+        state: &Self::TransactionState,
+    ) -> impl Future<Output = Result<Ending, sqlx::Error>> + Send {
+        Self::commit(conn, state)
+    }
+
     /// Rolls back the open transaction (and undoes what [`BEGIN`](Store::BEGIN) changed in
     /// the session).
     fn rollback(

@@ -51,6 +51,8 @@ pub struct InboxStatements {
     /// The response and fingerprint of a key's row: [`StoredRow`].
     stored: Arc<str>,
     set_response: Arc<str>,
+    /// Whether [`set_response`](InboxStore::set_response)'s row proves the inbox's transaction.
+    proves_transaction: bool,
     forget_claim: Arc<str>,
     /// Replaces the response of an inbox row that has none, or has the one given (the HTTP
     /// layer's answer for a request whose handler committed the key itself).
@@ -84,6 +86,7 @@ impl InboxStatements {
             processed_ms,
             int,
             time_of_ms,
+            own_transaction,
             ..
         } = *dialect;
         let p = || Params::new(dialect);
@@ -100,7 +103,8 @@ impl InboxStatements {
         let set_response = {
             let mut p = p();
             let r = p.next();
-            format!("UPDATE {t} SET response = {r} WHERE {}", p.key())
+            let proof = own_transaction.map_or_else(String::new, |own| format!(" AND {own}"));
+            format!("UPDATE {t} SET response = {r} WHERE {}{proof}", p.key())
         };
         let inspect = format!(
             "SELECT {processed_ms} AS processed_ms, response, fingerprint FROM {t} WHERE {}",
@@ -137,6 +141,7 @@ impl InboxStatements {
             claim: claim.into(),
             stored: stored.into(),
             set_response: set_response.into(),
+            proves_transaction: own_transaction.is_some(),
             forget_claim: forget_claim.into(),
             fill_response: fill_response.into(),
             inspect: inspect.into(),
@@ -175,14 +180,16 @@ pub trait InboxQueries: Database {
         key: &'a [u8],
     ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a;
 
-    /// Stores the body's serialized response on the claimed row, in the handler's transaction.
+    /// Stores the body's serialized response on the claimed row, in the handler's transaction;
+    /// whether the row it changed proved the transaction to be the one the inbox began (see
+    /// [`Store::commit_proven`](super::Store::commit_proven)).
     fn set_response<'a>(
         conn: &'a mut Self::Connection,
         statements: &'a InboxStatements,
         consumer: &'a str,
         key: &'a [u8],
         response: &'a [u8],
-    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a;
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send + 'a;
 
     /// The committed row of `(consumer, key)`, if any.
     fn stored<'a>(
@@ -283,15 +290,15 @@ where
         consumer: &str,
         key: &[u8],
         response: &[u8],
-    ) -> Result<(), sqlx::Error> {
-        statements
+    ) -> Result<bool, sqlx::Error> {
+        let done = statements
             .query(AssertSqlSafe(statements.set_response.clone()))
             .bind(response)
             .bind(consumer)
             .bind(key)
             .execute(conn)
             .await?;
-        Ok(())
+        Ok(statements.proves_transaction && done.rows() == 1)
     }
 
     async fn stored(

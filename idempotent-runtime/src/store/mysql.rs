@@ -116,6 +116,7 @@ impl Store for MySql {
         upsert_horizon: " ON DUPLICATE KEY UPDATE purged_until = GREATEST(purged_until, VALUES(purged_until))",
         delete_limit: true,
         end_own_connection: Some("KILL CONNECTION_ID()"),
+        own_transaction: None,
         outbox: OutboxDialect {
             skip_locked: " FOR UPDATE SKIP LOCKED",
             next_seq: " ON DUPLICATE KEY UPDATE last_seq = last_seq + 1, updated_at = VALUES(updated_at)",

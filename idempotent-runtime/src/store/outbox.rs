@@ -967,6 +967,7 @@ mod tests {
             upsert_horizon: "",
             delete_limit: false,
             end_own_connection: None,
+            own_transaction: None,
             outbox: OutboxDialect {
                 skip_locked: " FOR UPDATE SKIP LOCKED",
                 next_seq: " ON CONFLICT (ordering_key) DO UPDATE SET last_seq = {k}.last_seq + 1, updated_at = {now}",

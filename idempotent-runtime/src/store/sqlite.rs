@@ -116,6 +116,7 @@ impl Store for Sqlite {
             SET purged_until = MAX(purged_until, excluded.purged_until)",
         delete_limit: false,
         end_own_connection: None,
+        own_transaction: None,
         outbox: OutboxDialect {
             skip_locked: "",
             next_seq: " ON CONFLICT (ordering_key) DO UPDATE \

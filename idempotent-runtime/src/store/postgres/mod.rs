@@ -12,7 +12,10 @@
 //! failed and the body carried on (PostgreSQL has aborted the transaction, and a `COMMIT` would
 //! quietly roll it back), and it finds no mark when the body ended the transaction itself
 //! (`COMMIT`, `ROLLBACK`) and perhaps began another. Either way the inbox rolls back what is open
-//! and reports it; it never reports such a message as processed. That read is one round trip.
+//! and reports it; it never reports such a message as processed. That read is one round trip,
+//! saved where the inbox's own last statement proved the mark: the stored response's `UPDATE`
+//! changes the row only while the mark is set, and nothing runs between it and the commit but the
+//! inbox's own statements.
 //!
 //! [`Inbox::with_pipelined_claim`](crate::Inbox::with_pipelined_claim) sends the claim in the same
 //! message as the `BEGIN` instead, `BEGIN; SET LOCAL …; EXECUTE idempotent_claim_…(…)`, which saves
@@ -118,6 +121,7 @@ impl Store for Postgres {
             SET purged_until = GREATEST({h}.purged_until, EXCLUDED.purged_until)",
         delete_limit: false,
         end_own_connection: Some("SELECT pg_terminate_backend(pg_backend_pid())"),
+        own_transaction: Some("current_setting('idempotent.claim', true) = 'on'"),
         outbox: OutboxDialect {
             skip_locked: " FOR UPDATE SKIP LOCKED",
             next_seq: " ON CONFLICT (ordering_key) DO UPDATE \
@@ -185,6 +189,11 @@ impl Store for Postgres {
         // only sqlx's count of it.
         PgTransactionManager::rollback(conn).await?;
         Ok(ending)
+    }
+
+    async fn commit_proven(conn: &mut PgConnection, _state: &()) -> Result<Ending, sqlx::Error> {
+        PgTransactionManager::commit(conn).await?;
+        Ok(Ending::Committed)
     }
 
     async fn rollback(conn: &mut PgConnection, _state: &()) -> Result<(), sqlx::Error> {
