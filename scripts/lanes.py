@@ -17,7 +17,7 @@ import json
 import sys
 
 BROKERS = {
-    "runner_rabbitmq", "runner_nats", "runner_kafka", "kafka_holds", "runner_sqs", "sqs_hostile", "runner_kill",
+    "runner_rabbitmq", "runner_nats", "runner_kafka", "kafka_holds", "hostile_kafka_holds", "runner_sqs", "sqs_hostile", "runner_kill",
     "rabbitmq_delivery_tags", "outbox_publishers", "runner_weather", "dlq",
 }
 LAST = {"chaos_outbox", "otel_trace"}

@@ -129,6 +129,14 @@ impl KafkaDelivery {
     /// Produces the record to the dead-letter topic with `route`'s reason and attempts, and then
     /// settles it.
     pub(super) async fn dead_letter(&self, route: &Route) -> Result<(), BrokerError> {
+        self.publish_dead_letter(route).await?;
+        self.done();
+        Ok(())
+    }
+
+    /// Produces the record to the dead-letter topic with `route`'s reason and attempts, without
+    /// settling it.
+    pub(super) async fn publish_dead_letter(&self, route: &Route) -> Result<(), BrokerError> {
         let Route::DeadLetter { reason, attempts } = route else {
             unreachable!("a dead letter's route")
         };
@@ -144,14 +152,12 @@ impl KafkaDelivery {
                 (OFFSET_HEADER, record.offset().to_string()),
             ],
         )
-        .await?;
-        self.done();
-        Ok(())
+        .await
     }
 
     /// The record is settled: its offset goes to the next commit once every earlier one of its
     /// partition is settled too.
-    fn done(&self) {
+    pub(super) fn done(&self) {
         let lease = &self.lease;
         let commit =
             self.settling

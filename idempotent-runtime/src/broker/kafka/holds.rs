@@ -558,15 +558,33 @@ impl Holds {
         let Some(parking) = parking.filter(|parking| parking.hold == hold) else {
             return;
         };
+        if !settling.partitions().is_parked(partition, parking.offset) {
+            return;
+        }
+        // The hold's end is said before the record runs again: said after, it could land after
+        // the announcement of the record held again, and hide that hold from the operator.
+        self.forget(partition, parking.offset);
+        self.release(settling, partition).await;
         let next = parking.attempts.saturating_add(1);
         if settling
             .partitions()
             .unpark(partition, parking.offset, next)
         {
             tracing::info!(topic = %partition.topic, partition = partition.partition, offset = parking.offset, "an operator retries a held record");
-            self.view().mine.remove(partition);
             settling.wake.notify_one();
-            self.release(settling, partition).await;
+        }
+    }
+
+    /// Forgets this runner's parking of `partition` if it is the one at `offset` (a later record
+    /// of the partition may be parked by now, and its parking stays).
+    fn forget(&self, partition: &TopicPartition, offset: i64) {
+        let mut view = self.view();
+        if view
+            .mine
+            .get(partition)
+            .is_some_and(|parking| parking.offset == offset)
+        {
+            view.mine.remove(partition);
         }
     }
 
@@ -609,11 +627,15 @@ impl Holds {
             reason: skipped_reason(&reason, &failure),
             attempts,
         };
-        match delivery.dead_letter(&route).await {
+        match delivery.publish_dead_letter(&route).await {
             Ok(()) => {
                 settling.counters.count(&route, false);
-                self.view().mine.remove(&partition);
+                // Forgotten, and its end said, before the partition goes on: after, a later record
+                // of it parked meanwhile would lose its parking (no retry would find it) and its
+                // announcement could land before this end (the listing would not show it).
+                self.forget(&partition, offset);
                 self.release(settling, &partition).await;
+                delivery.done();
             }
             Err(error) => {
                 // Parked again: the hold stays, and the operator can skip it again.

@@ -354,6 +354,14 @@ impl Partitions {
         }
     }
 
+    /// Whether the record at `offset` of `partition` is parked (first in its partition).
+    pub(super) fn is_parked(&self, partition: &TopicPartition, offset: i64) -> bool {
+        self.partitions
+            .get(partition)
+            .and_then(|partition| partition.held.front())
+            .is_some_and(|front| front.parked && front.offset == offset)
+    }
+
     /// Makes the record parked at `offset` of `partition` due at once, as attempt `attempt`;
     /// whether one was parked there.
     pub(super) fn unpark(&mut self, partition: &TopicPartition, offset: i64, attempt: u32) -> bool {
