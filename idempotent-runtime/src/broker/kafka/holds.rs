@@ -11,6 +11,9 @@
 //! - `command:<topic>:<partition>`: an operator's [`COMMAND_HEADER`] (`retry` or `skip`) for the
 //!   hold [`HOLD_HEADER`] names, with the operator's reason for a skip.
 //!
+//! Whoever may write the holds topic steers the holds (a forged `held:` record hides or fakes one,
+//! the newest record of a key wins): give write access to it as to the group's own topics.
+//!
 //! A retry applies to the hold it names only: a partition that was revoked and parked again by its
 //! new owner (a new id) is not retried by a command meant for the old hold. A skip applies to the
 //! record the hold parked (its partition and offset), also when it is parked again later: a runner
