@@ -5,7 +5,9 @@ scripts/test runs side by side: one line per binary, `LANE NAME KIND DIR EXECUTA
 - brokers: the tests that use RabbitMQ, NATS, Kafka's mock cluster and SQS (and restart RabbitMQ
   and NATS, or raise RabbitMQ's memory alarm), each with SQLite files of its own;
 - databases: every other test, on PostgreSQL, MariaDB, Galera, the PostgreSQL pair, PgBouncer and
-  SQLite (chaos restarts the PostgreSQL the others use, so they stay in one lane, in order);
+  SQLite (chaos restarts the PostgreSQL the others use, so they stay in one lane, in order), and
+  the Kafka held partitions' tests (kafka_holds, hostile_kafka_holds: the mock cluster in their
+  own process and SQLite files, no server), which balance the two lanes;
 - last: the tests that need both (chaos_outbox restarts PostgreSQL under a relay to RabbitMQ;
   otel_trace goes from PostgreSQL through RabbitMQ and NATS), run once the other two lanes have
   ended;
@@ -17,7 +19,7 @@ import json
 import sys
 
 BROKERS = {
-    "runner_rabbitmq", "runner_nats", "runner_kafka", "kafka_holds", "hostile_kafka_holds", "runner_sqs", "sqs_hostile", "runner_kill",
+    "runner_rabbitmq", "runner_nats", "runner_kafka", "runner_sqs", "sqs_hostile", "runner_kill",
     "rabbitmq_delivery_tags", "outbox_publishers", "runner_weather", "dlq",
 }
 LAST = {"chaos_outbox", "otel_trace"}

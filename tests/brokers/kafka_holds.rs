@@ -347,3 +347,54 @@ async fn two_runners_racing_with_a_rebalance_run_nothing_past_a_hold_and_nothing
     assert_eq!(dead, [(1, 10), (2, 20), (3, 10)]);
     kafka.nothing_left_uncommitted(&group, &topic).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hold_survives_every_broker_down_past_the_session_timeout() {
+    let kafka = Kafka::mock();
+    let topic = kafka.topic("held-outage", 2).await;
+    let group = format!("{topic}-ledger");
+    let shop = Shop::new().await;
+    for (partition, id, kind) in [
+        (0, "a0", Kind::Ok),
+        (0, "bad", Kind::Poison),
+        (0, "c0", Kind::Ok),
+        (1, "a1", Kind::Ok),
+    ] {
+        kafka.produce_to(&topic, partition, id, kind).await;
+    }
+    let shutdown = Shutdown::new();
+    let running = spawn(runner(&kafka, &group, &topic), &shop, 2, &shutdown);
+    eventually(Duration::from_secs(60), async || {
+        holds(&kafka, &group).await.len() == 1 && shop.effects().await.len() == 2
+    })
+    .await;
+    // Longer than the group's session timeout (6 s): the group forgets the runner.
+    kafka.all_down();
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    kafka.all_up();
+    kafka.produce_to(&topic, 1, "b1", Kind::Ok).await;
+    eventually(Duration::from_secs(180), async || {
+        shop.effects().await.contains_key("b1")
+    })
+    .await;
+    assert!(
+        !shop.effects().await.contains_key("c0"),
+        "a record after the held one ran after the outage"
+    );
+    let held = holds(&kafka, &group).await;
+    assert_eq!(held.len(), 1, "{held:?}");
+    HeldPartitions::new(kafka.client(), &group)
+        .skip(&topic, 0, "after the outage")
+        .await
+        .unwrap();
+    eventually(Duration::from_secs(60), async || {
+        shop.effects().await.contains_key("c0")
+    })
+    .await;
+    shutdown.cancel();
+    running.await.unwrap().unwrap();
+    let effects = shop.effects().await;
+    assert!(effects.values().all(|count| *count == 1), "{effects:?}");
+    assert_eq!(effects.len(), 4, "{effects:?}");
+    kafka.nothing_left_uncommitted(&group, &topic).await;
+}

@@ -4,7 +4,7 @@
 //! retry topics that hold back nothing else, the poison and bad input (no key, a malformed body, a
 //! 1 MB body) dead-lettered with their reason, nothing left uncommitted at the end; graceful
 //! shutdown and a second runner taking over; a second runner joining and leaving mid-stream (a
-//! rebalance); every broker down mid-stream; a dead letter the broker refuses three times (tried
+//! rebalance); every broker down mid-stream, and past the group's session timeout; a dead letter the broker refuses three times (tried
 //! again after its back-off, its partition held, the other flowing); a dead-letter topic that
 //! cannot be made.
 #![cfg(all(feature = "kafka", feature = "sqlite"))]
@@ -301,6 +301,45 @@ async fn every_broker_down_mid_stream_loses_nothing_and_the_runner_comes_back() 
         "the outage was not noticed: {:?}",
         stats()
     );
+    kafka.nothing_left_uncommitted(&group, &topic).await;
+}
+
+/// Every broker away for longer than the group's session timeout (6 s here): the group forgets
+/// the runner, which must join it again and go on from the committed offsets.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_broker_down_past_the_session_timeout_and_the_runner_joins_its_group_again() {
+    let kafka = Kafka::mock();
+    let topic = kafka.topic("long-outage", 2).await;
+    let group = format!("{topic}-ledger");
+    let shop = Shop::new().await;
+    for i in 0..10 {
+        kafka
+            .produce_to(&topic, i % 2, &format!("before-{i}"), Kind::Ok)
+            .await;
+    }
+    let shutdown = Shutdown::new();
+    let runner = runner(&kafka, &group, &topic);
+    let running = spawn(runner, &shop, 2, &shutdown);
+    eventually(Duration::from_secs(60), async || {
+        shop.effects().await.len() == 10
+    })
+    .await;
+    kafka.all_down();
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    kafka.all_up();
+    for i in 0..10 {
+        kafka
+            .produce_to(&topic, i % 2, &format!("after-{i}"), Kind::Ok)
+            .await;
+    }
+    eventually(Duration::from_secs(180), async || {
+        shop.effects().await.len() == 20
+    })
+    .await;
+    shutdown.cancel();
+    running.await.unwrap().unwrap();
+    let effects = shop.effects().await;
+    assert!(effects.values().all(|count| *count == 1), "{effects:?}");
     kafka.nothing_left_uncommitted(&group, &topic).await;
 }
 
