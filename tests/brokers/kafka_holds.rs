@@ -12,7 +12,7 @@ mod support;
 
 use std::time::Duration;
 
-use idempotent::broker::kafka::{self, Asked, HeldPartition, HeldPartitions, Runner};
+use idempotent::broker::kafka::{self, Asked, HeldPartitions, Runner};
 use idempotent::broker::{BrokerError, RetryPolicy, Shutdown};
 use support::kafka::{Kafka, header, spawn};
 use support::{Kind, Shop, eventually};
@@ -22,15 +22,6 @@ fn runner(kafka: &Kafka, group: &str, topic: &str) -> Runner {
     Runner::new(kafka.client(), group, &[topic], format!("{topic}.dead"))
         .retry(RetryPolicy::new(3, Duration::from_millis(300)))
         .hold_partition_on_failure()
-}
-
-/// The holds of `group` now (none while its holds topic is not made yet).
-async fn holds(kafka: &Kafka, group: &str) -> Vec<HeldPartition> {
-    match HeldPartitions::new(kafka.client(), group).list().await {
-        Ok(holds) => holds,
-        Err(BrokerError::NotHeld { .. }) => Vec::new(),
-        Err(error) => panic!("listing the holds failed: {error}"),
-    }
 }
 
 /// The dead letters of `topic`: message id and reason.
@@ -62,7 +53,7 @@ async fn a_failed_record_holds_its_partition_until_an_operator_skips_it_and_the_
     let shutdown = Shutdown::new();
     let running = spawn(runner(&kafka, &group, &topic), &shop, 1, &shutdown);
     eventually(Duration::from_secs(60), async || {
-        holds(&kafka, &group).await.len() == 1 && shop.effects().await.len() == 2
+        kafka.holds(&group).await.len() == 1 && shop.effects().await.len() == 2
     })
     .await;
     // Partition 1 goes on: one worker takes the partitions in turn, so had partition 0 not been
@@ -81,7 +72,7 @@ async fn a_failed_record_holds_its_partition_until_an_operator_skips_it_and_the_
         !effects.contains_key("c0") && !effects.contains_key("d0"),
         "a record after the held one ran: {effects:?}"
     );
-    let held = holds(&kafka, &group).await;
+    let held = kafka.holds(&group).await;
     let hold = &held[0];
     assert_eq!(
         (hold.topic.as_str(), hold.partition, hold.offset),
@@ -109,7 +100,7 @@ async fn a_failed_record_holds_its_partition_until_an_operator_skips_it_and_the_
         })
     );
     eventually(Duration::from_secs(60), async || {
-        shop.effects().await.contains_key("d0") && holds(&kafka, &group).await.is_empty()
+        shop.effects().await.contains_key("d0") && kafka.holds(&group).await.is_empty()
     })
     .await;
     let dead = dead_letters(&kafka, &topic).await;
@@ -159,7 +150,7 @@ async fn retries_wait_in_place_and_an_operator_retry_runs_the_held_record_as_its
     let shutdown = Shutdown::new();
     let running = spawn(runner(&kafka, &group, &topic), &shop, 2, &shutdown);
     eventually(Duration::from_secs(60), async || {
-        holds(&kafka, &group).await.len() == 1
+        kafka.holds(&group).await.len() == 1
     })
     .await;
     shop.assert_retried_after("flaky", &[300, 600]);
@@ -167,7 +158,7 @@ async fn retries_wait_in_place_and_an_operator_retry_runs_the_held_record_as_its
         shop.effects().await.is_empty(),
         "a record ran while the one before it was retried"
     );
-    assert_eq!(holds(&kafka, &group).await[0].attempts, 3);
+    assert_eq!(kafka.holds(&group).await[0].attempts, 3);
 
     HeldPartitions::new(kafka.client(), &group)
         .retry(&topic, 0)
@@ -183,7 +174,7 @@ async fn retries_wait_in_place_and_an_operator_retry_runs_the_held_record_as_its
         ["flaky", "after-0", "after-1", "after-2"]
     );
     eventually(Duration::from_secs(60), async || {
-        holds(&kafka, &group).await.is_empty()
+        kafka.holds(&group).await.is_empty()
     })
     .await;
     shutdown.cancel();
@@ -212,7 +203,7 @@ async fn a_hold_outlives_its_runner_and_a_skip_asked_while_none_runs_is_done_by_
     let shutdown = Shutdown::new();
     let first = spawn(runner(&kafka, &group, &topic), &shop, 1, &shutdown);
     eventually(Duration::from_secs(60), async || {
-        holds(&kafka, &group).await.len() == 1
+        kafka.holds(&group).await.len() == 1
     })
     .await;
     shutdown.cancel();
@@ -221,9 +212,10 @@ async fn a_hold_outlives_its_runner_and_a_skip_asked_while_none_runs_is_done_by_
     // Restarted: the record runs again, and is held again, under a new hold.
     let shutdown = Shutdown::new();
     let second = spawn(runner(&kafka, &group, &topic), &shop, 1, &shutdown);
-    let before = holds(&kafka, &group).await[0].hold.clone();
+    let before = kafka.holds(&group).await[0].hold.clone();
     eventually(Duration::from_secs(60), async || {
-        holds(&kafka, &group)
+        kafka
+            .holds(&group)
             .await
             .first()
             .is_some_and(|hold| hold.hold != before)
@@ -238,14 +230,14 @@ async fn a_hold_outlives_its_runner_and_a_skip_asked_while_none_runs_is_done_by_
         .skip(&topic, 0, "no such customer")
         .await
         .unwrap();
-    let listed = holds(&kafka, &group).await;
+    let listed = kafka.holds(&group).await;
     assert_eq!(listed.len(), 1);
     assert_eq!(listed[0].asked, asked.asked, "the skip waits for a runner");
 
     let shutdown = Shutdown::new();
     let third = spawn(runner(&kafka, &group, &topic), &shop, 1, &shutdown);
     eventually(Duration::from_secs(60), async || {
-        shop.effects().await.contains_key("c") && holds(&kafka, &group).await.is_empty()
+        shop.effects().await.contains_key("c") && kafka.holds(&group).await.is_empty()
     })
     .await;
     shutdown.cancel();
@@ -291,10 +283,10 @@ async fn two_runners_racing_with_a_rebalance_run_nothing_past_a_hold_and_nothing
     let second = spawn(runner(&kafka, &group, &topic), &shop, 2, &second_stop);
     // 30 of partition 0, 10 of 1 and 3, 20 of 2.
     eventually(Duration::from_secs(60), async || {
-        shop.effects().await.len() == 70 && holds(&kafka, &group).await.len() == 3
+        shop.effects().await.len() == 70 && kafka.holds(&group).await.len() == 3
     })
     .await;
-    let held = holds(&kafka, &group).await;
+    let held = kafka.holds(&group).await;
     let at: Vec<(i32, i64)> = held
         .iter()
         .map(|hold| (hold.partition, hold.offset))
@@ -309,7 +301,7 @@ async fn two_runners_racing_with_a_rebalance_run_nothing_past_a_hold_and_nothing
             .unwrap();
     }
     eventually(Duration::from_secs(60), async || {
-        shop.effects().await.len() == 117 && holds(&kafka, &group).await.is_empty()
+        shop.effects().await.len() == 117 && kafka.holds(&group).await.is_empty()
     })
     .await;
     second_stop.cancel();
@@ -365,7 +357,7 @@ async fn a_hold_survives_every_broker_down_past_the_session_timeout() {
     let shutdown = Shutdown::new();
     let running = spawn(runner(&kafka, &group, &topic), &shop, 2, &shutdown);
     eventually(Duration::from_secs(60), async || {
-        holds(&kafka, &group).await.len() == 1 && shop.effects().await.len() == 2
+        kafka.holds(&group).await.len() == 1 && shop.effects().await.len() == 2
     })
     .await;
     // Longer than the group's session timeout (6 s): the group forgets the runner.
@@ -381,7 +373,7 @@ async fn a_hold_survives_every_broker_down_past_the_session_timeout() {
         !shop.effects().await.contains_key("c0"),
         "a record after the held one ran after the outage"
     );
-    let held = holds(&kafka, &group).await;
+    let held = kafka.holds(&group).await;
     assert_eq!(held.len(), 1, "{held:?}");
     HeldPartitions::new(kafka.client(), &group)
         .skip(&topic, 0, "after the outage")

@@ -33,15 +33,6 @@ fn runner(kafka: &Kafka, group: &str, topic: &str) -> Runner {
         .hold_partition_on_failure()
 }
 
-/// The holds of `group` now (none while its holds topic is not made yet).
-async fn holds(kafka: &Kafka, group: &str) -> Vec<HeldPartition> {
-    match HeldPartitions::new(kafka.client(), group).list().await {
-        Ok(holds) => holds,
-        Err(BrokerError::NotHeld { .. }) => Vec::new(),
-        Err(error) => panic!("listing the holds failed: {error}"),
-    }
-}
-
 /// The holds of `group` now, `None` while the cluster does not answer.
 async fn try_holds(kafka: &Kafka, group: &str) -> Option<Vec<HeldPartition>> {
     match HeldPartitions::new(kafka.client(), group).list().await {
@@ -112,7 +103,7 @@ async fn fifty_retries_at_once_run_the_record_once_per_hold_and_it_takes_effect_
     }
     let shutdown = Shutdown::new();
     let running = spawn(runner(&kafka, &group, &topic), &shop, 2, &shutdown);
-    eventually(LIMIT, async || holds(&kafka, &group).await.len() == 1).await;
+    eventually(LIMIT, async || kafka.holds(&group).await.len() == 1).await;
     let operator = HeldPartitions::new(kafka.client(), &group);
     // Fifty operators retry at once, and again while it is not done: each retry names the hold
     // it listed, and a hold is retried once.
@@ -136,7 +127,7 @@ async fn fifty_retries_at_once_run_the_record_once_per_hold_and_it_takes_effect_
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     eventually(LIMIT, async || {
-        shop.effects().await.len() == 6 && holds(&kafka, &group).await.is_empty()
+        shop.effects().await.len() == 6 && kafka.holds(&group).await.is_empty()
     })
     .await;
     assert_eq!(
@@ -173,7 +164,7 @@ async fn a_retry_and_a_skip_of_one_hold_at_once_run_it_or_dead_letter_it_never_b
     }
     let shutdown = Shutdown::new();
     let running = spawn(runner(&kafka, &group, &topic), &shop, 2, &shutdown);
-    eventually(LIMIT, async || holds(&kafka, &group).await.len() == 4).await;
+    eventually(LIMIT, async || kafka.holds(&group).await.len() == 4).await;
     assert!(shop.effects().await.is_empty(), "nothing passed a hold");
     let operator = HeldPartitions::new(kafka.client(), &group);
     // Partitions 0 and 1: retry and skip at once; 2: retry then skip; 3: skip then retry.
@@ -197,7 +188,7 @@ async fn a_retry_and_a_skip_of_one_hold_at_once_run_it_or_dead_letter_it_never_b
     eventually(LIMIT, async || {
         let effects = shop.effects().await;
         let rest = (0..4).all(|p| (1..4).all(|i| effects.contains_key(&format!("p{p}-{i}"))));
-        rest && holds(&kafka, &group).await.is_empty()
+        rest && kafka.holds(&group).await.is_empty()
     })
     .await;
     let effects = shop.effects().await;
@@ -271,8 +262,8 @@ async fn garbage_on_the_holds_topic_neither_stops_the_runner_nor_ends_or_hides_a
     }
     let shutdown = Shutdown::new();
     let running = spawn(runner(&kafka, &group, &topic), &shop, 1, &shutdown);
-    eventually(LIMIT, async || holds(&kafka, &group).await.len() == 1).await;
-    let real = holds(&kafka, &group).await.remove(0);
+    eventually(LIMIT, async || kafka.holds(&group).await.len() == 1).await;
+    let real = kafka.holds(&group).await.remove(0);
 
     let producer: FutureProducer = kafka
         .client()
@@ -377,7 +368,7 @@ async fn garbage_on_the_holds_topic_neither_stops_the_runner_nor_ends_or_hides_a
     }
     eventually(LIMIT, async || shop.effects().await.len() == 6).await;
     assert!(!running.is_finished(), "the runner stopped");
-    let listed = holds(&kafka, &group).await;
+    let listed = kafka.holds(&group).await;
     assert_eq!(listed, std::slice::from_ref(&real), "the hold changed");
     assert!(
         !shop.effects().await.contains_key("p0-2"),
@@ -395,7 +386,7 @@ async fn garbage_on_the_holds_topic_neither_stops_the_runner_nor_ends_or_hides_a
     let large = "z".repeat(900_000);
     operator.skip(&topic, 0, &large).await.unwrap();
     eventually(LIMIT, async || {
-        shop.effects().await.contains_key("p0-2") && holds(&kafka, &group).await.is_empty()
+        shop.effects().await.contains_key("p0-2") && kafka.holds(&group).await.is_empty()
     })
     .await;
     let dead = dead_letters(&kafka, &topic).await;
@@ -431,7 +422,7 @@ async fn a_refused_hold_announcement_keeps_the_partition_held_and_it_is_announce
     let runner = runner(&kafka, &group, &topic);
     let stats = runner.stats();
     let running = spawn(runner, &shop, 2, &shutdown);
-    eventually(LIMIT, async || holds(&kafka, &group).await.len() == 1).await;
+    eventually(LIMIT, async || kafka.holds(&group).await.len() == 1).await;
     assert!(
         shop.attempts_of("p0-1").len() >= 4,
         "announced before three refusals: {:?}",
@@ -443,14 +434,14 @@ async fn a_refused_hold_announcement_keeps_the_partition_held_and_it_is_announce
         "a record ran while its hold could not be announced"
     );
     not_committed_past(&kafka, &group, &topic, 0, 1).await;
-    let hold = holds(&kafka, &group).await.remove(0);
+    let hold = kafka.holds(&group).await.remove(0);
     assert_eq!((hold.offset, hold.message_id.as_deref()), (1, Some("p0-1")));
     HeldPartitions::new(kafka.client(), &group)
         .skip(&topic, 0, "announced late")
         .await
         .unwrap();
     eventually(LIMIT, async || {
-        shop.effects().await.contains_key("p0-2") && holds(&kafka, &group).await.is_empty()
+        shop.effects().await.contains_key("p0-2") && kafka.holds(&group).await.is_empty()
     })
     .await;
     shutdown.cancel();
@@ -485,7 +476,7 @@ async fn every_broker_down_while_a_partition_is_held_and_back_the_hold_stays_unt
     let shutdown = Shutdown::new();
     let running = spawn(runner(&kafka, &group, &topic), &shop, 2, &shutdown);
     eventually(LIMIT, async || {
-        holds(&kafka, &group).await.len() == 1 && shop.effects().await.len() == 2
+        kafka.holds(&group).await.len() == 1 && shop.effects().await.len() == 2
     })
     .await;
     kafka.all_down();
@@ -517,7 +508,7 @@ async fn every_broker_down_while_a_partition_is_held_and_back_the_hold_stays_unt
         .await
         .unwrap();
     eventually(LIMIT, async || {
-        shop.effects().await.contains_key("p0-2") && holds(&kafka, &group).await.is_empty()
+        shop.effects().await.contains_key("p0-2") && kafka.holds(&group).await.is_empty()
     })
     .await;
     shutdown.cancel();
@@ -561,8 +552,8 @@ async fn sixteen_partitions_held_at_once_are_all_listed_skipped_and_flow_in_orde
     let runner = runner(&kafka, &group, &topic);
     let stats = runner.stats();
     let running = spawn(runner, &shop, 2, &shutdown);
-    eventually(LIMIT, async || holds(&kafka, &group).await.len() == 16).await;
-    let held = holds(&kafka, &group).await;
+    eventually(LIMIT, async || kafka.holds(&group).await.len() == 16).await;
+    let held = kafka.holds(&group).await;
     let at: Vec<(i32, i64)> = held
         .iter()
         .map(|hold| (hold.partition, hold.offset))
@@ -591,7 +582,7 @@ async fn sixteen_partitions_held_at_once_are_all_listed_skipped_and_flow_in_orde
     .await;
     assert!(skipped.iter().all(Result::is_ok), "{skipped:?}");
     eventually(LIMIT, async || {
-        shop.effects().await.len() == 64 && holds(&kafka, &group).await.is_empty()
+        shop.effects().await.len() == 64 && kafka.holds(&group).await.is_empty()
     })
     .await;
     shutdown.cancel();
@@ -646,7 +637,7 @@ async fn in_batches_a_record_that_fails_holds_its_partition_and_nothing_after_it
             ),
     );
     eventually(LIMIT, async || {
-        holds(&kafka, &group).await.len() == 2 && shop.effects().await.len() == 24
+        kafka.holds(&group).await.len() == 2 && shop.effects().await.len() == 24
     })
     .await;
     let effects = shop.effects().await;
@@ -666,13 +657,13 @@ async fn in_batches_a_record_that_fails_holds_its_partition_and_nothing_after_it
             Err(error) => panic!("{error}"),
         }
         eventually(LIMIT, async || {
-            shop.effects().await.contains_key("p3-2") || holds(&kafka, &group).await.len() == 1
+            shop.effects().await.contains_key("p3-2") || kafka.holds(&group).await.len() == 1
         })
         .await;
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     eventually(LIMIT, async || {
-        shop.effects().await.len() == 39 && holds(&kafka, &group).await.is_empty()
+        shop.effects().await.len() == 39 && kafka.holds(&group).await.is_empty()
     })
     .await;
     shutdown.cancel();
@@ -707,7 +698,7 @@ async fn a_record_held_right_after_a_skip_is_listed_and_retried_as_its_own_hold(
     let shutdown = Shutdown::new();
     let running = spawn(runner(&kafka, &group, &topic), &shop, 2, &shutdown);
     let held_at = async |offset: i64| {
-        let held = holds(&kafka, &group).await;
+        let held = kafka.holds(&group).await;
         held.len() == 8 && held.iter().all(|hold| hold.offset == offset)
     };
     eventually(LIMIT, async || held_at(0).await).await;
@@ -733,7 +724,7 @@ async fn a_record_held_right_after_a_skip_is_listed_and_retried_as_its_own_hold(
     .await;
     assert!(skipped.iter().all(Result::is_ok), "{skipped:?}");
     eventually(LIMIT, async || {
-        shop.effects().await.len() == 8 && holds(&kafka, &group).await.is_empty()
+        shop.effects().await.len() == 8 && kafka.holds(&group).await.is_empty()
     })
     .await;
     shutdown.cancel();

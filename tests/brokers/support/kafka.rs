@@ -18,7 +18,7 @@ use idempotent::broker::kafka::rdkafka::{
 };
 
 use super::{Kind, Order, Shop};
-use idempotent::broker::kafka::Runner;
+use idempotent::broker::kafka::{HeldPartition, HeldPartitions, Runner};
 use idempotent::broker::{BrokerError, RunnerStats, Shutdown};
 
 /// A Kafka to test against.
@@ -219,6 +219,15 @@ impl Kafka {
         })
         .await
         .unwrap()
+    }
+
+    /// The partitions `group`'s runners hold now (none while its holds topic is not made yet).
+    pub async fn holds(&self, group: &str) -> Vec<HeldPartition> {
+        match HeldPartitions::new(self.client(), group).list().await {
+            Ok(holds) => holds,
+            Err(BrokerError::NotHeld { .. }) => Vec::new(),
+            Err(error) => panic!("listing the holds failed: {error}"),
+        }
     }
 
     /// Asserts that `group` committed every record of `topic`.
