@@ -5,6 +5,7 @@
 //! ```text
 //! cargo bench --bench inbox --features postgres            # PostgreSQL (IDEMPOTENT_PG_URL) and SQLite
 //! cargo bench --bench inbox --features postgres -- --big-inbox 10000000 --purge 1000000
+//! cargo bench --bench inbox --features postgres -- --bloat 10000000   # only the purge's bloat study
 //! ```
 //!
 //! The handler's work is one `UPDATE` of a random row of 10,000. The variants:
@@ -351,6 +352,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let pg_url = std::env::var("IDEMPOTENT_PG_URL")
         .or_else(|_| std::env::var("DATABASE_URL"))
         .expect("IDEMPOTENT_PG_URL: a PostgreSQL to measure on");
+    if let Some(rows) = arg("--bloat") {
+        return bloat(&fresh_postgres(&pg_url).await, rows.parse()?, count).await;
+    }
     let mut results = Vec::new();
 
     // PostgreSQL.
@@ -774,6 +778,158 @@ async fn extras(url: &str, count: usize) -> Result<(), Box<dyn std::error::Error
         latencies.last().map_or(0.0, |d| d.as_secs_f64() * 1e3),
         purging.metrics().rows_purged - before
     );
+    Ok(())
+}
+
+/// What a purge leaves behind: an inbox of `rows` rows, consumers at 8 workers while the
+/// background purger removes a fifth of it, three times (each time a fifth of the inbox expired
+/// first, as time passing would), against the same consumers without a purge; the table's and its
+/// indexes' sizes, dead and free space after each cycle, with autovacuum as configured.
+async fn bloat(url: &str, rows: i64, count: usize) -> Result<(), Box<dyn std::error::Error>> {
+    const WORKERS: usize = 8;
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(WORKERS as u32 + 1)
+        .connect(url)
+        .await?;
+    setup(&pool, "BIGINT").await;
+    let inbox = Inbox::new(pool.clone());
+    inbox.migrate().await?;
+    sqlx::raw_sql("CREATE EXTENSION IF NOT EXISTS pgstattuple")
+        .execute(&pool)
+        .await?;
+    let purging = Inbox::new(
+        sqlx::postgres::PgPoolOptions::new()
+            .max_connections(2)
+            .connect(url)
+            .await?,
+    );
+    let expire = rows / 5;
+    // Keys numbered from `from`: rows that stay, or (with an old time) rows that expire.
+    let insert = |from: i64, n: i64, old: bool| {
+        let pool = pool.clone();
+        async move {
+            let age = if old { "30 days" } else { "0 days" };
+            sqlx::query(sqlx::AssertSqlSafe(format!(
+                "INSERT INTO idempotent_inbox (consumer, message_key, processed_at)
+                 SELECT 'other', int8send(g), now() - interval '{age}' FROM generate_series($1, $2) g"
+            )))
+            .bind(from)
+            .bind(from + n - 1)
+            .execute(&pool)
+            .await
+            .unwrap();
+        }
+    };
+    let started = Instant::now();
+    insert(1, rows, false).await;
+    sqlx::raw_sql("VACUUM ANALYZE idempotent_inbox")
+        .execute(&pool)
+        .await?;
+    println!(
+        "PostgreSQL, {WORKERS} workers, an inbox of {rows} rows (filled in {:.0} s); a cycle expires {expire} rows and the background purger removes them while the consumers run\n",
+        started.elapsed().as_secs_f64()
+    );
+    println!(
+        "{:<28} {:>9} {:>8} {:>9} {:>8} {:>9} {:>9} {:>7} {:>7} {:>8}",
+        "",
+        "msg/s",
+        "x none",
+        "p99 ms",
+        "x none",
+        "total MB",
+        "index MB",
+        "dead %",
+        "free %",
+        "leaf %"
+    );
+    let sizes = |label: String, measured: Option<(f64, f64, f64, f64)>| {
+        let pool = pool.clone();
+        async move {
+            let (total, index): (i64, i64) = sqlx::query_as(
+                "SELECT pg_total_relation_size('idempotent_inbox'), pg_indexes_size('idempotent_inbox')",
+            )
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+            let (dead, free): (f64, f64) = sqlx::query_as(
+                "SELECT dead_tuple_percent, free_percent FROM pgstattuple('idempotent_inbox')",
+            )
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+            let (leaf,): (f64,) =
+                sqlx::query_as("SELECT avg_leaf_density FROM pgstatindex('idempotent_inbox_pkey')")
+                    .fetch_one(&pool)
+                    .await
+                    .unwrap();
+            let mb = |bytes: i64| bytes as f64 / (1 << 20) as f64;
+            let [rate, rate_x, p99, p99_x] = measured.map_or_else(
+                || std::array::from_fn(|_| "-".to_owned()),
+                |(r, rx, p, px)| {
+                    [
+                        format!("{r:.0}"),
+                        format!("{rx:.2}"),
+                        format!("{p:.1}"),
+                        format!("{px:.2}"),
+                    ]
+                },
+            );
+            println!(
+                "{label:<28} {rate:>9} {rate_x:>8} {p99:>9} {p99_x:>8} {:>9.0} {:>9.0} {dead:>7.1} {free:>7.1} {leaf:>8.1}",
+                mb(total),
+                mb(index)
+            );
+        }
+    };
+    let consume = |seed: u64| {
+        let inbox = inbox.clone();
+        let batch = Arc::new(deliveries(count, 0, seed));
+        async move { run_variant!(on_postgres, inbox, Variant::Inbox, false, WORKERS, batch) }
+    };
+    sizes("filled".into(), None).await;
+    let (none, latencies) = consume(40).await;
+    let none_p99 = percentile(&latencies, 0.99).as_secs_f64() * 1e3;
+    sizes(
+        "consumers, no purge".into(),
+        Some((none, 1.0, none_p99, 1.0)),
+    )
+    .await;
+    let mut next_key = rows + 1;
+    for cycle in 1..=3u64 {
+        insert(next_key, expire, true).await;
+        next_key += expire;
+        let before = purging.metrics().rows_purged;
+        let purger =
+            purging.spawn_purger(idempotent::PurgerOptions::every(Duration::from_secs(3600)));
+        // The consumers run until the purge is done.
+        let (mut handled, mut took, mut latencies) = (0usize, 0.0, Vec::new());
+        let mut seed = 40 + cycle * 100;
+        loop {
+            let started = Instant::now();
+            let (_, mut measured) = consume(seed).await;
+            took += started.elapsed().as_secs_f64();
+            handled += count;
+            latencies.append(&mut measured);
+            seed += 1;
+            if purging.metrics().rows_purged - before >= expire as u64 {
+                break;
+            }
+        }
+        purger.stop();
+        latencies.sort_unstable();
+        let rate = handled as f64 / took;
+        let p99 = percentile(&latencies, 0.99).as_secs_f64() * 1e3;
+        sizes(
+            format!("cycle {cycle}: purge while consuming"),
+            Some((rate, rate / none, p99, p99 / none_p99)),
+        )
+        .await;
+    }
+    // What VACUUM alone (not FULL) gives back, after the three cycles.
+    sqlx::raw_sql("VACUUM idempotent_inbox")
+        .execute(&pool)
+        .await?;
+    sizes("after VACUUM".into(), None).await;
     Ok(())
 }
 

@@ -264,6 +264,7 @@ pub(crate) async fn purge<DB: Backend>(
     lock.unlock(table)
         .await
         .map_err(database_error(Stage::Purge))?;
+    vacuum::<DB>(source.pool, table, &report).await;
     tracing::info!(
         %table,
         deleted = report.deleted,
@@ -274,6 +275,39 @@ pub(crate) async fn purge<DB: Backend>(
         "purged expired inbox rows"
     );
     Ok(report)
+}
+
+/// Reclaims the space of the rows `report` deleted, where the database needs to be told
+/// ([`Dialect::vacuum`](crate::store::Dialect)): autovacuum's default threshold (a fifth of the
+/// table dead) is never crossed by a purge of less, and until a table is vacuumed its next inserts
+/// go to new pages. Outside the purger's lock (a pooler's transaction holds that), on a connection
+/// of its own; a failure is only logged: the rows are gone, and autovacuum comes later.
+async fn vacuum<DB: Backend>(pool: &sqlx::Pool<DB>, table: &TableName, report: &PurgeReport) {
+    let Some(vacuum) = DB::DIALECT.vacuum else {
+        return;
+    };
+    let quote = DB::DIALECT.quote;
+    let tables = [
+        (table.quoted(quote), report.deleted),
+        (
+            table.quoted_suffixed("outbox", quote),
+            report.outbox_deleted,
+        ),
+    ];
+    for (name, deleted) in tables {
+        if deleted == 0 {
+            continue;
+        }
+        let sql = vacuum.replace("{t}", &name);
+        let vacuumed = match pool.acquire().await {
+            Ok(mut conn) => DB::run(&mut conn, &sql).await.map(drop),
+            Err(error) => Err(error),
+        };
+        match vacuumed {
+            Ok(()) => tracing::debug!(table = %name, deleted, "vacuumed after the purge"),
+            Err(error) => tracing::warn!(table = %name, %error, "could not vacuum after the purge"),
+        }
+    }
 }
 
 async fn purge_locked<DB: Backend>(

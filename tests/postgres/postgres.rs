@@ -325,3 +325,41 @@ async fn relays_that_only_listen_are_woken_after_every_commit_of_a_burst() {
     assert_eq!(stats.published, 401);
     assert_eq!(recorder.counts().len(), 401);
 }
+
+/// A purge of a fifth of an inbox never crosses autovacuum's default threshold (a fifth of the
+/// table dead), so without a `VACUUM` the space of the rows it deleted is not reused and the next
+/// inserts go to new pages: the table grows by every purge. The purge vacuums what it deleted
+/// from: rows inserted after it fit in the space it freed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_space_a_purge_frees_is_reused_by_the_next_inserts() {
+    use support::Harness;
+
+    let h = PgHarness::new().await;
+    let size = async || -> i64 {
+        sqlx::query_scalar("SELECT pg_relation_size('idempotent_inbox')")
+            .fetch_one(&h.pool)
+            .await
+            .unwrap()
+    };
+    let insert = async |from: i64, age: &str| {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO idempotent_inbox (consumer, message_key, processed_at)
+             SELECT 'other', int8send(g), now() - interval '{age}'
+             FROM generate_series($1, $1 + 19999) g"
+        )))
+        .bind(from)
+        .execute(&h.pool)
+        .await
+        .unwrap();
+    };
+    insert(0, "30 days").await;
+    let filled = size().await;
+    let report = h.inbox().purge_expired(1000).await.unwrap();
+    assert_eq!(report.deleted, 20_000);
+    insert(1_000_000, "0 days").await;
+    let after = size().await;
+    assert!(
+        after <= filled + filled / 10,
+        "the table grew from {filled} to {after} bytes: the purged rows' space was not reused"
+    );
+}

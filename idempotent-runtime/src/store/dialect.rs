@@ -38,6 +38,10 @@ pub struct Dialect {
     /// it, so that the row it changed proves the transaction, and the commit that follows needs no
     /// read of its own (one round trip fewer).
     pub(crate) own_transaction: Option<&'static str>,
+    /// Reclaims the space of a table's deleted rows for its next inserts, after a purge; `{t}` is
+    /// the quoted table. `None` where the database does it by itself (InnoDB's purge thread,
+    /// SQLite's free list).
+    pub(crate) vacuum: Option<&'static str>,
     /// What the outbox's statements need besides (see [`OutboxDialect`]).
     pub(crate) outbox: OutboxDialect,
 }

@@ -117,6 +117,7 @@ impl Store for MySql {
         delete_limit: true,
         end_own_connection: Some("KILL CONNECTION_ID()"),
         own_transaction: None,
+        vacuum: None,
         outbox: OutboxDialect {
             skip_locked: " FOR UPDATE SKIP LOCKED",
             next_seq: " ON DUPLICATE KEY UPDATE last_seq = last_seq + 1, updated_at = VALUES(updated_at)",

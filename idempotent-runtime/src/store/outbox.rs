@@ -968,6 +968,7 @@ mod tests {
             delete_limit: false,
             end_own_connection: None,
             own_transaction: None,
+            vacuum: None,
             outbox: OutboxDialect {
                 skip_locked: " FOR UPDATE SKIP LOCKED",
                 next_seq: " ON CONFLICT (ordering_key) DO UPDATE SET last_seq = {k}.last_seq + 1, updated_at = {now}",

@@ -117,6 +117,7 @@ impl Store for Sqlite {
         delete_limit: false,
         end_own_connection: None,
         own_transaction: None,
+        vacuum: None,
         outbox: OutboxDialect {
             skip_locked: "",
             next_seq: " ON CONFLICT (ordering_key) DO UPDATE \

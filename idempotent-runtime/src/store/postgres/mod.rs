@@ -122,6 +122,7 @@ impl Store for Postgres {
         delete_limit: false,
         end_own_connection: Some("SELECT pg_terminate_backend(pg_backend_pid())"),
         own_transaction: Some("current_setting('idempotent.claim', true) = 'on'"),
+        vacuum: Some("VACUUM {t}"),
         outbox: OutboxDialect {
             skip_locked: " FOR UPDATE SKIP LOCKED",
             next_seq: " ON CONFLICT (ordering_key) DO UPDATE \
