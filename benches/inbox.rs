@@ -5,7 +5,7 @@
 //! ```text
 //! cargo bench --bench inbox --features postgres            # PostgreSQL (IDEMPOTENT_PG_URL) and SQLite
 //! cargo bench --bench inbox --features postgres -- --big-inbox 10000000 --purge 1000000
-//! cargo bench --bench inbox --features postgres -- --bloat 10000000   # only the purge's bloat study
+//! cargo bench --bench inbox --features postgres -- --bloat 10000000 [--cycles 6]   # only the purge's bloat study
 //! ```
 //!
 //! The handler's work is one `UPDATE` of a random row of 10,000. The variants:
@@ -782,7 +782,7 @@ async fn extras(url: &str, count: usize) -> Result<(), Box<dyn std::error::Error
 }
 
 /// What a purge leaves behind: an inbox of `rows` rows, consumers at 8 workers while the
-/// background purger removes a fifth of it, three times (each time a fifth of the inbox expired
+/// background purger removes a fifth of it, three times (`--cycles`; each time a fifth of the inbox expired
 /// first, as time passing would), against the same consumers without a purge; the table's and its
 /// indexes' sizes, dead and free space after each cycle, with autovacuum as configured.
 async fn bloat(url: &str, rows: i64, count: usize) -> Result<(), Box<dyn std::error::Error>> {
@@ -895,7 +895,8 @@ async fn bloat(url: &str, rows: i64, count: usize) -> Result<(), Box<dyn std::er
     )
     .await;
     let mut next_key = rows + 1;
-    for cycle in 1..=3u64 {
+    let cycles: u64 = arg("--cycles").map_or(Ok(3), |v| v.parse())?;
+    for cycle in 1..=cycles {
         insert(next_key, expire, true).await;
         next_key += expire;
         let before = purging.metrics().rows_purged;
@@ -925,7 +926,7 @@ async fn bloat(url: &str, rows: i64, count: usize) -> Result<(), Box<dyn std::er
         )
         .await;
     }
-    // What VACUUM alone (not FULL) gives back, after the three cycles.
+    // What VACUUM alone (not FULL) gives back, after the cycles.
     sqlx::raw_sql("VACUUM idempotent_inbox")
         .execute(&pool)
         .await?;
