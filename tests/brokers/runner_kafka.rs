@@ -15,9 +15,9 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use idempotent::broker::kafka::{self, Runner};
-use idempotent::broker::{Batches, BrokerError, RetryPolicy, Shutdown};
+use idempotent::broker::{BrokerError, RetryPolicy, Shutdown};
 use idempotent::outbox::{Destination, OutgoingMessage, Publication, PublishError, Publisher};
-use support::kafka::{Kafka, Message as _, header, spawn};
+use support::kafka::{Kafka, Message as _, header, spawn, spawn_batches};
 use support::{Kind, Shop, eventually};
 
 /// A runner on `topic` in a group of its own, with a short retry policy.
@@ -450,17 +450,7 @@ async fn batches_settle_each_record_by_its_own_outcome() {
             .await;
     }
     let shutdown = Shutdown::new();
-    let mut body = Some(shop.batch_body());
-    let running = tokio::spawn(
-        runner(&kafka, &group, &topic)
-            .shutdown_on(shutdown.clone())
-            .run_batches(
-                shop.inbox.clone(),
-                "shop",
-                Batches::new(10, Duration::from_millis(20)),
-                move || body.take().expect("one worker"),
-            ),
-    );
+    let running = spawn_batches(runner(&kafka, &group, &topic), &shop, 1, &shutdown);
     let dead = format!("{topic}.dead");
     eventually(Duration::from_secs(30), async || {
         shop.effects().await.len() == 39 && kafka.records(&dead).await.len() == 1
@@ -492,18 +482,7 @@ async fn batches_of_several_workers_keep_each_partitions_order() {
         keys.entry(key).or_default().push(id);
     }
     let shutdown = Shutdown::new();
-    let body = shop.batch_body();
-    let running = tokio::spawn(
-        runner(&kafka, &group, &topic)
-            .workers(4)
-            .shutdown_on(shutdown.clone())
-            .run_batches(
-                shop.inbox.clone(),
-                "shop",
-                Batches::new(10, Duration::from_millis(20)),
-                move || body.clone(),
-            ),
-    );
+    let running = spawn_batches(runner(&kafka, &group, &topic), &shop, 4, &shutdown);
     eventually(Duration::from_secs(60), async || {
         shop.effects().await.len() == 240
     })

@@ -20,8 +20,8 @@ use std::time::Duration;
 use idempotent::broker::kafka::rdkafka::message::{Header, OwnedHeaders};
 use idempotent::broker::kafka::rdkafka::producer::{FutureProducer, FutureRecord};
 use idempotent::broker::kafka::{self, HeldPartition, HeldPartitions, Runner};
-use idempotent::broker::{Batches, BrokerError, RetryPolicy, Shutdown};
-use support::kafka::{Kafka, header, spawn};
+use idempotent::broker::{BrokerError, RetryPolicy, Shutdown};
+use support::kafka::{Kafka, header, spawn, spawn_batches};
 use support::{Kind, Shop, eventually};
 
 const LIMIT: Duration = Duration::from_secs(60);
@@ -624,18 +624,7 @@ async fn in_batches_a_record_that_fails_holds_its_partition_and_nothing_after_it
         }
     }
     let shutdown = Shutdown::new();
-    let body = shop.batch_body();
-    let running = tokio::spawn(
-        runner(&kafka, &group, &topic)
-            .workers(2)
-            .shutdown_on(shutdown.clone())
-            .run_batches(
-                shop.inbox.clone(),
-                "shop",
-                Batches::new(10, Duration::from_millis(20)),
-                move || body.clone(),
-            ),
-    );
+    let running = spawn_batches(runner(&kafka, &group, &topic), &shop, 2, &shutdown);
     eventually(LIMIT, async || {
         kafka.holds(&group).await.len() == 2 && shop.effects().await.len() == 24
     })

@@ -19,7 +19,7 @@ use idempotent::broker::kafka::rdkafka::{
 
 use super::{Kind, Order, Shop};
 use idempotent::broker::kafka::{HeldPartition, HeldPartitions, Runner};
-use idempotent::broker::{BrokerError, RunnerStats, Shutdown};
+use idempotent::broker::{Batches, BrokerError, RunnerStats, Shutdown};
 
 /// A Kafka to test against.
 pub struct Kafka {
@@ -340,5 +340,27 @@ pub fn spawn(
             .workers(workers)
             .shutdown_on(shutdown.clone())
             .run(move || handlers.next().expect("one handler per worker")),
+    )
+}
+
+/// Runs `runner` in batch mode (batches of 10, 20 ms) with `workers` workers of `shop` in the
+/// background.
+pub fn spawn_batches(
+    runner: Runner,
+    shop: &Shop,
+    workers: usize,
+    shutdown: &Shutdown,
+) -> tokio::task::JoinHandle<Result<RunnerStats, BrokerError>> {
+    let body = shop.batch_body();
+    tokio::spawn(
+        runner
+            .workers(workers)
+            .shutdown_on(shutdown.clone())
+            .run_batches(
+                shop.inbox.clone(),
+                "shop",
+                Batches::new(10, Duration::from_millis(20)),
+                move || body.clone(),
+            ),
     )
 }

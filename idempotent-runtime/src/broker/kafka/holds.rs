@@ -600,15 +600,15 @@ impl Holds {
         hold: &str,
         reason: String,
     ) {
-        let (offset, parking) = {
+        let offset = {
             let view = self.view();
             let mine = view
                 .mine
                 .get(&partition)
                 .filter(|parking| parking.hold == hold);
             match (mine, view.announced.get(hold)) {
-                (Some(parking), _) => (parking.offset, Some(parking.clone())),
-                (None, Some((announced, offset))) if *announced == partition => (*offset, None),
+                (Some(parking), _) => parking.offset,
+                (None, Some((announced, offset))) if *announced == partition => *offset,
                 // A hold never announced: nothing to skip.
                 _ => return,
             }
@@ -619,8 +619,9 @@ impl Holds {
                 .insert((partition.clone(), offset), reason);
             return;
         };
-        let (failure, attempts) = parking
-            .or_else(|| self.mine_at(&partition, offset))
+        // This runner's parking of that record (under this hold, or one made since).
+        let (failure, attempts) = self
+            .mine_at(&partition, offset)
             .map_or((String::new(), lease.attempt.unwrap_or(1)), |parking| {
                 (parking.reason, parking.attempts)
             });
