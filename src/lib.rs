@@ -138,6 +138,8 @@ pub use idempotent_runtime::{
     PurgeReport, Purger, PurgerOptions, Retention, Retryable, StableKey, Stage, TableName, calls,
     is_retryable, key, message_key,
 };
+// Many tenants, each with an inbox of its own.
+pub use idempotent_runtime::{TenantFailed, Tenants};
 // Operating an inbox: the purge horizon, inspect and forget, schema versions, metrics.
 pub use idempotent_runtime::{
     AuditEntry, ConsumerStats, Cursor, Expired, Listing, Migration, Page, Record, SentAt,

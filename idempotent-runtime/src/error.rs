@@ -66,6 +66,21 @@ pub enum InboxError {
         /// What is wrong with it.
         reason: &'static str,
     },
+    /// The schema given for an inbox's tables is not a plain SQL identifier.
+    #[error("invalid schema name {name:?}: {reason}")]
+    SchemaName {
+        /// The name as it was given.
+        name: String,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+    /// A message names a tenant the [`Tenants`](crate::Tenants) it was looked up in does not
+    /// have; not retryable (the same message names it again).
+    #[error("no tenant {tenant:?}")]
+    UnknownTenant {
+        /// The tenant as the message named it.
+        tenant: String,
+    },
     /// The consumer name is empty, too long or holds a NUL byte.
     #[error("invalid consumer name {name:?}: {reason}")]
     ConsumerName {

@@ -43,6 +43,7 @@ pub mod schema;
 mod session;
 mod store;
 mod table;
+mod tenants;
 #[cfg(feature = "testing")]
 #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
 pub mod testing;
@@ -88,3 +89,4 @@ pub use store::postgres;
 pub use store::sqlite;
 pub use store::{Backend, HandlerConnection, is_retryable};
 pub use table::TableName;
+pub use tenants::{TenantFailed, Tenants};

@@ -141,11 +141,13 @@ async fn version<DB: Backend>(
     statements: &Statements,
     table: &TableName,
 ) -> Result<u32, sqlx::Error> {
-    let schema = format!("{table}_schema");
-    if DB::table_exists(conn, &schema).await?
+    let schema = format!("{}_schema", table.as_str());
+    if DB::table_exists(conn, table.schema(), &schema).await?
         && let Some(version) = DB::schema_version(conn, &statements.audit).await?
     {
         return Ok(u32::try_from(version).unwrap_or(u32::MAX));
     }
-    Ok(u32::from(DB::table_exists(conn, table.as_str()).await?))
+    Ok(u32::from(
+        DB::table_exists(conn, table.schema(), table.as_str()).await?,
+    ))
 }

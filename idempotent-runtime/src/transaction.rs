@@ -39,6 +39,8 @@ const WRITERS_QUEUE_PATIENCE: Duration = Duration::from_secs(5);
 pub(crate) struct Resources<'a, DB: Backend> {
     pub(crate) source: Source<'a, DB>,
     pub(crate) writers: Option<&'a Arc<Semaphore>>,
+    /// What the inbox's `BEGIN`s end with ([`Statements::begin_suffix`]).
+    pub(crate) begin_suffix: &'a str,
 }
 
 /// An open transaction, at depth one, that the inbox began. Dropped without
@@ -51,6 +53,8 @@ pub(crate) struct InboxTransaction<DB: Backend> {
     /// A statement of the inbox's proved it the one the inbox began, with nothing failed in it,
     /// and no statement of the body's ran since: the commit needs no check of its own.
     proven: bool,
+    /// The statements that begin it, again after a claim that had to start over.
+    begin: String,
 }
 
 /// What a claim found.
@@ -110,9 +114,15 @@ impl<DB: Backend> InboxTransaction<DB> {
         fingerprint: Option<&[u8]>,
     ) -> Result<ClaimOutcome<DB>, BeginError> {
         let turn = take_turn(with.writers).await;
-        let mut tx = Self::begin_on(session, turn).await?;
-        let pipelined =
-            DB::pipelined_claim(settings, &statements.inbox, consumer, key, fingerprint);
+        let mut tx = Self::begin_on(session, turn, DB::BEGIN, with.begin_suffix).await?;
+        let pipelined = DB::pipelined_claim(
+            settings,
+            &statements.inbox,
+            &tx.begin,
+            consumer,
+            key,
+            fingerprint,
+        );
         let claimed = match pipelined {
             Some(message) => tx.pipelined_claim(&message, statements, settings).await,
             None => Err(Pipeline::NotSent),
@@ -164,17 +174,18 @@ impl<DB: Backend> InboxTransaction<DB> {
             .await
             .map_err(BeginError::Acquire)?;
         let turn = take_turn(with.writers).await;
-        let mut tx = Self::begin_on(session, turn).await?;
-        tx.begin_with(begin.to_owned())
-            .await
-            .map_err(BeginError::Begin)?;
+        let mut tx = Self::begin_on(session, turn, begin, with.begin_suffix).await?;
+        tx.open().await.map_err(BeginError::Begin)?;
         Ok(tx)
     }
 
-    /// Readies the session for a transaction (nothing is open yet).
+    /// Readies the session for a transaction (nothing is open yet) that `begin` and `suffix`
+    /// will begin.
     async fn begin_on(
         mut session: Session<DB>,
         turn: Option<OwnedSemaphorePermit>,
+        begin: &str,
+        suffix: &str,
     ) -> Result<Self, BeginError> {
         let state = session
             .try_step(DB::ready_transaction)
@@ -185,12 +196,13 @@ impl<DB: Backend> InboxTransaction<DB> {
             state,
             _turn: turn,
             proven: false,
+            begin: format!("{begin}{suffix}"),
         })
     }
 
-    /// Sends the backend's `BEGIN`.
+    /// Sends the statements that begin it.
     async fn open(&mut self) -> Result<(), sqlx::Error> {
-        self.begin_with(DB::BEGIN.to_owned()).await
+        self.begin_with(self.begin.clone()).await
     }
 
     /// Begins the transaction with `statement`, through sqlx's transaction manager.

@@ -43,7 +43,7 @@ impl<DB: Backend> Claimed<DB> {
     ) -> Self {
         Self {
             tx,
-            outbox: Outbox::of(consumer, key.clone()),
+            outbox: Outbox::of(inbox.config.tenant.clone(), consumer, key.clone()),
             consumer: consumer.into(),
             key,
             config: inbox.config.clone(),

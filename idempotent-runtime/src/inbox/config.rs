@@ -1,5 +1,6 @@
 //! What an inbox is configured with, and the `with_…` methods that replace it.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use super::Inbox;
@@ -15,6 +16,9 @@ pub(crate) struct Config<DB: Backend> {
     pub(crate) statements: Statements,
     pub(crate) settings: DB::Settings,
     pub(crate) retention: Retention,
+    /// The tenant this inbox is, in a [`Tenants`](crate::Tenants): its claims' outgoing messages
+    /// get ids of their own.
+    pub(crate) tenant: Option<Arc<str>>,
     /// What the testing kit makes go wrong in every claimed transaction.
     #[cfg(feature = "testing")]
     pub(crate) injected: Option<Injected>,
@@ -39,6 +43,7 @@ impl<DB: Backend> Clone for Config<DB> {
             statements: self.statements.clone(),
             settings: self.settings.clone(),
             retention: self.retention.clone(),
+            tenant: self.tenant.clone(),
             #[cfg(feature = "testing")]
             injected: self.injected,
         }
@@ -46,14 +51,38 @@ impl<DB: Backend> Clone for Config<DB> {
 }
 
 impl<DB: Backend> Inbox<DB> {
-    /// Returns the same inbox in another table; `name` must pass [`TableName::new`].
+    /// Returns the same inbox in another table (in the same schema, if it was
+    /// [made for one](Inbox::with_schema)); `name` must pass [`TableName::new`].
     pub fn with_table(self, name: &str) -> Result<Self, InboxError> {
-        let table = TableName::new(name)?;
-        Ok(self.with_config(|config| Config {
-            statements: Statements::new(DB::DIALECT, &table).with_pooling(config.statements.pooled),
-            table,
-            ..config.clone()
-        }))
+        let table = match self.config.table.schema() {
+            Some(schema) => TableName::new(name)?.in_schema(schema)?,
+            None => TableName::new(name)?,
+        };
+        Ok(self.in_tables(table))
+    }
+
+    /// The same inbox on `table`'s tables, its statements built again for them with the settings
+    /// they had. The keys its HTTP layers handle are those of the new tables: a twin in another
+    /// table is not one.
+    pub(crate) fn in_tables(self, table: TableName) -> Self {
+        #[cfg(feature = "http")]
+        let this = Self {
+            in_flight: Default::default(),
+            ..self
+        };
+        #[cfg(not(feature = "http"))]
+        let this = self;
+        this.with_config(|config| {
+            let mut statements = Statements::new(DB::DIALECT, &table);
+            statements.outbox = statements
+                .outbox
+                .notifying(config.statements.outbox.notifies());
+            Config {
+                statements: statements.with_pooling(config.statements.pooled),
+                table,
+                ..config.clone()
+            }
+        })
     }
 
     /// Keeps rows for `retention` after they were processed (see [`Retention`] for the default and
@@ -96,6 +125,14 @@ impl<DB: Backend> Inbox<DB> {
         })
     }
 
+    /// The same inbox as `tenant`'s (see [`Config::tenant`]).
+    pub(crate) fn for_tenant(self, tenant: &str) -> Self {
+        self.with_config(|config| Config {
+            tenant: Some(tenant.into()),
+            ..config.clone()
+        })
+    }
+
     /// Returns how long rows are kept.
     pub fn retention(&self) -> &Retention {
         &self.config.retention
@@ -105,6 +142,32 @@ impl<DB: Backend> Inbox<DB> {
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 impl Inbox<sqlx::Postgres> {
+    /// Returns the same inbox for a tenant whose tables are in `schema`: every statement of the
+    /// inbox, its outbox, its relays, its purge and [`migrate`](Inbox::migrate) names its tables
+    /// in that schema, and every transaction a handler gets from it (a claim, a batch, an HTTP
+    /// request) begins with `SET LOCAL search_path TO "<schema>"`, so that the handler's own
+    /// statements name that schema's tables without saying so. Tenants in schemas of one database
+    /// share one pool (a pool per tenant would take as many connections); see the guide
+    /// [Tenants](crate::guide::tenants) and [`Tenants`](crate::Tenants).
+    ///
+    /// The `search_path` is the schema alone: a table the tenants share is named with its
+    /// schema (`public.plans`). `schema` follows [`TableName`]'s rules, up to 63 characters;
+    /// the schema itself is yours to create.
+    ///
+    /// ```no_run
+    /// # use idempotent_runtime as idempotent;
+    /// # async fn demo(pool: sqlx::PgPool) -> Result<(), idempotent::InboxError> {
+    /// let acme = idempotent::Inbox::new(pool.clone()).with_schema("tenant_acme")?;
+    /// let globex = idempotent::Inbox::new(pool).with_schema("tenant_globex")?;
+    /// acme.migrate().await?; // creates tenant_acme.idempotent_inbox and the rest
+    /// globex.migrate().await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn with_schema(self, schema: &str) -> Result<Self, InboxError> {
+        let table = TableName::new(self.config.table.as_str())?.in_schema(schema)?;
+        Ok(self.in_tables(table))
+    }
+
     /// Returns the same inbox, sending the claim in one message with its `BEGIN`: one round trip
     /// less per message, at the price the [`postgres` module docs](crate::postgres) describe (a
     /// committed duplicate is reported by the server as a unique violation, which it logs at

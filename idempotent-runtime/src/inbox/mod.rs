@@ -84,6 +84,7 @@ impl<DB: Backend> Inbox<DB> {
                 table,
                 settings: DB::Settings::default(),
                 retention: Retention::default(),
+                tenant: None,
                 #[cfg(feature = "testing")]
                 injected: None,
             }),
@@ -205,6 +206,7 @@ impl<DB: Backend> Inbox<DB> {
         Resources {
             source: self.source(),
             writers: self.writers.as_ref(),
+            begin_suffix: &self.config.statements.begin_suffix,
         }
     }
 

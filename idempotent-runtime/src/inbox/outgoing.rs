@@ -2,6 +2,8 @@
 //! become in the handler's transaction. Part of the inbox (which writes a claim's outbox at its
 //! commit), so that [`outbox`](crate::outbox), which re-exports these types, stands wholly above it.
 
+use std::sync::Arc;
+
 use sha2::{Digest, Sha256};
 
 use crate::error::{InboxError, Stage};
@@ -148,15 +150,19 @@ impl OutgoingMessage {
 pub struct Outbox {
     origin: String,
     key: MessageKey,
+    /// The tenant whose inbox claimed the key, if it is one of [`Tenants`](crate::Tenants)'.
+    tenant: Option<Arc<str>>,
     queued: Vec<(String, OutgoingMessage)>,
 }
 
 impl Outbox {
-    /// The outbox of a claim (its consumer and key), or of [`Outbox::new`]'s origin and key.
-    pub(crate) fn of(origin: &str, key: MessageKey) -> Self {
+    /// The outbox of a claim (its consumer and key, and its inbox's tenant), or of
+    /// [`Outbox::new`]'s origin and key.
+    pub(crate) fn of(tenant: Option<Arc<str>>, origin: &str, key: MessageKey) -> Self {
         Self {
             origin: origin.to_owned(),
             key,
+            tenant,
             queued: Vec::new(),
         }
     }
@@ -165,9 +171,16 @@ impl Outbox {
     pub fn send(&mut self, mut message: OutgoingMessage) -> String {
         // With `otel`, the current span's trace context goes along, for the consumer's span.
         crate::trace_context::inject_current(&mut message.headers);
-        let id = match &message.id {
-            Some(id) => id.clone(),
-            None => Self::derived_id(&self.origin, &self.key, self.queued.len()),
+        let id = match (&message.id, &self.tenant) {
+            (Some(id), _) => id.clone(),
+            (None, None) => Self::derived_id(&self.origin, &self.key, self.queued.len()),
+            // The same key in two tenants is two messages: ids of their own.
+            (None, Some(tenant)) => derive(
+                b"idempotent-outbox/tenant/1\0",
+                &[tenant, &self.origin],
+                &self.key,
+                self.queued.len(),
+            ),
         };
         self.queued.push((id.clone(), message));
         id
@@ -176,20 +189,12 @@ impl Outbox {
     /// Returns the id of the message at `position` (from 0) of the outbox of `origin` and `key`: a
     /// UUID (version 8, RFC 9562) made of the SHA-256 of `idempotent-outbox/1`, the origin, the
     /// stored key and the position, each length-prefixed. The same inputs always give the same id.
+    ///
+    /// A [tenant](crate::Tenants)'s inbox derives the ids of its claims' messages with the
+    /// tenant's name too (after `idempotent-outbox/tenant/1`), so that the same key in two
+    /// tenants gives two messages two ids.
     pub fn derived_id(origin: &str, key: &MessageKey, position: usize) -> String {
-        let mut hasher = Sha256::new();
-        hasher.update(b"idempotent-outbox/1\0");
-        hasher.update((origin.len() as u64).to_be_bytes());
-        hasher.update(origin.as_bytes());
-        hasher.update((key.as_bytes().len() as u64).to_be_bytes());
-        hasher.update(key.as_bytes());
-        hasher.update((position as u64).to_be_bytes());
-        let digest = hasher.finalize();
-        let mut bytes = [0u8; 16];
-        bytes.copy_from_slice(&digest[..16]);
-        bytes[6] = (bytes[6] & 0x0F) | 0x80; // version 8
-        bytes[8] = (bytes[8] & 0x3F) | 0x80; // RFC 9562's variant
-        uuid::Uuid::from_bytes(bytes).hyphenated().to_string()
+        derive(b"idempotent-outbox/1\0", &[origin], key, position)
     }
 
     /// Returns where the derived ids come from: the consumer, or the origin given to
@@ -330,6 +335,26 @@ pub(crate) async fn write<DB: Backend>(
             .map_err(failed())?;
     }
     Ok(())
+}
+
+/// A UUID (version 8, RFC 9562) made of the SHA-256 of `domain`, then `names`, `key` and
+/// `position`, each length-prefixed.
+fn derive(domain: &[u8], names: &[&str], key: &MessageKey, position: usize) -> String {
+    let mut hasher = Sha256::new();
+    hasher.update(domain);
+    for name in names {
+        hasher.update((name.len() as u64).to_be_bytes());
+        hasher.update(name.as_bytes());
+    }
+    hasher.update((key.as_bytes().len() as u64).to_be_bytes());
+    hasher.update(key.as_bytes());
+    hasher.update((position as u64).to_be_bytes());
+    let digest = hasher.finalize();
+    let mut bytes = [0u8; 16];
+    bytes.copy_from_slice(&digest[..16]);
+    bytes[6] = (bytes[6] & 0x0F) | 0x80; // version 8
+    bytes[8] = (bytes[8] & 0x3F) | 0x80; // RFC 9562's variant
+    uuid::Uuid::from_bytes(bytes).hyphenated().to_string()
 }
 
 #[cfg(test)]

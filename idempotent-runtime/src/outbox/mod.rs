@@ -61,7 +61,7 @@ impl Outbox {
             name: origin.to_owned(),
             reason,
         })?;
-        Ok(Self::of(origin, key.as_message_key()?.into_owned()))
+        Ok(Self::of(None, origin, key.as_message_key()?.into_owned()))
     }
 }
 
@@ -93,7 +93,7 @@ impl<DB: Backend> Inbox<DB> {
     /// pool for each batch and holds it while the broker confirms the batch; on PostgreSQL with
     /// [`RelayOptions::listen`] one more connection listens for as long as the relay runs.
     pub fn spawn_relay<P: Publisher>(&self, publisher: P, options: RelayOptions) -> Relay {
-        relay::spawn(self, publisher, options)
+        spawn_relay_of(std::slice::from_ref(self), publisher, options)
     }
 
     /// Runs one relay batch now, with `publisher`: for tests, and for programs that drive the
@@ -103,7 +103,7 @@ impl<DB: Backend> Inbox<DB> {
         publisher: &P,
         options: &RelayOptions,
     ) -> Result<RelayReport, InboxError> {
-        let metrics = OutboxMetrics::new(self.table().as_str());
+        let metrics = OutboxMetrics::new(&self.table().to_string());
         relay::batch(self, publisher, options, &metrics, KeyShare::ALL).await
     }
 
@@ -132,4 +132,13 @@ impl<DB: Backend> Inbox<DB> {
             ..config.clone()
         })
     }
+}
+
+/// Starts one relay of the outboxes of `inboxes`; see [`Tenants::spawn_relay`](crate::Tenants::spawn_relay).
+pub(crate) fn spawn_relay_of<DB: Backend, P: Publisher>(
+    inboxes: &[Inbox<DB>],
+    publisher: P,
+    options: RelayOptions,
+) -> Relay {
+    relay::spawn(inboxes, publisher, options)
 }

@@ -253,7 +253,7 @@ impl Counters {
 pub struct Relay {
     stop: watch::Sender<bool>,
     workers: Vec<JoinHandle<()>>,
-    listener: Option<JoinHandle<()>>,
+    listeners: Vec<JoinHandle<()>>,
     counters: Arc<Counters>,
 }
 
@@ -290,15 +290,18 @@ impl Drop for Relay {
         for worker in &self.workers {
             worker.abort();
         }
-        if let Some(listener) = &self.listener {
+        for listener in &self.listeners {
             listener.abort();
         }
     }
 }
 
-/// Starts a relay of `inbox`'s outbox; see [`Inbox::spawn_relay`].
+/// Starts a relay of the outboxes of `inboxes` (one, or a [`Tenants`](crate::Tenants)' every
+/// tenant's); see [`Inbox::spawn_relay`]. Each worker goes round the inboxes, one batch of each
+/// per round, starting each round one inbox further: an inbox with a backlog gets one batch a
+/// round like the others, so it delays them by a batch each, not by its backlog.
 pub(crate) fn spawn<DB: Backend, P: Publisher>(
-    inbox: &Inbox<DB>,
+    inboxes: &[Inbox<DB>],
     publisher: P,
     options: RelayOptions,
 ) -> Relay {
@@ -309,30 +312,49 @@ pub(crate) fn spawn<DB: Backend, P: Publisher>(
     let wakes: Vec<Arc<Notify>> = (0..options.workers.max(1))
         .map(|_| Arc::new(Notify::new()))
         .collect();
-    let listener = if options.listen && !inbox.config.statements.outbox.pooled {
+    let wake: Arc<dyn Fn() + Send + Sync> = {
         let wakes = wakes.clone();
-        let wake: Arc<dyn Fn() + Send + Sync> = Arc::new(move || {
+        Arc::new(move || {
             for wake in &wakes {
                 wake.notify_one();
             }
-        });
-        DB::listen_outbox(inbox.pool(), &inbox.config.statements.outbox.channel, wake)
-    } else {
-        None
+        })
     };
+    // One listener a channel: the inboxes in schemas of one database share theirs.
+    let mut channels: Vec<&str> = Vec::new();
+    let mut listeners = Vec::new();
+    for inbox in inboxes {
+        let statements = &inbox.config.statements.outbox;
+        if !options.listen || statements.pooled || channels.contains(&&*statements.channel) {
+            continue;
+        }
+        channels.push(&statements.channel);
+        listeners.extend(DB::listen_outbox(
+            inbox.pool(),
+            &statements.channel,
+            wake.clone(),
+        ));
+    }
+    let outboxes: Arc<[Served<DB>]> = inboxes
+        .iter()
+        .map(|inbox| Served {
+            // Not a worker's inbox: a connection kept between batches would be missed by the
+            // program on a small pool (an in-memory SQLite database has one), and the pool's
+            // check of a connection costs a batch next to nothing.
+            inbox: inbox.clone(),
+            metrics: OutboxMetrics::new(&inbox.table().to_string()),
+        })
+        .collect();
     let workers = wakes
         .into_iter()
         .enumerate()
         .map(|(index, wake)| {
             let worker = Worker {
-                // Not a worker's inbox: a connection kept between batches would be missed by the
-                // program on a small pool (an in-memory SQLite database has one), and the pool's
-                // check of a connection costs a batch next to nothing.
-                inbox: inbox.clone(),
+                outboxes: outboxes.clone(),
+                first: index * outboxes.len() / options.workers.max(1),
                 publisher: publisher.clone(),
                 options: options.clone(),
                 counters: counters.clone(),
-                metrics: OutboxMetrics::new(inbox.table().as_str()),
                 wake,
                 stopped: stopped.clone(),
                 samples_backlog: index == 0,
@@ -344,22 +366,40 @@ pub(crate) fn spawn<DB: Backend, P: Publisher>(
     Relay {
         stop,
         workers,
-        listener,
+        listeners,
         counters,
     }
 }
 
-struct Worker<DB: Backend, P> {
+/// One inbox a relay publishes from.
+struct Served<DB: Backend> {
     inbox: Inbox<DB>,
+    metrics: OutboxMetrics,
+}
+
+struct Worker<DB: Backend, P> {
+    outboxes: Arc<[Served<DB>]>,
+    /// The outbox this worker's next round begins with.
+    first: usize,
     publisher: Arc<P>,
     options: Arc<RelayOptions>,
     counters: Arc<Counters>,
-    metrics: OutboxMetrics,
     wake: Arc<Notify>,
     stopped: watch::Receiver<bool>,
     samples_backlog: bool,
     /// The ordering keys this worker takes.
     share: KeyShare,
+}
+
+/// What one round over a relay's outboxes did.
+#[derive(Default)]
+struct Round {
+    taken: usize,
+    published: usize,
+    unavailable: usize,
+    /// An outbox filled its batch: more may be waiting.
+    full: bool,
+    failed: usize,
 }
 
 impl<DB: Backend, P: Publisher> Worker<DB, P> {
@@ -373,51 +413,37 @@ impl<DB: Backend, P: Publisher> Worker<DB, P> {
                 && sampled.is_none_or(|at| at.elapsed() >= options.backlog_every)
             {
                 sampled = Some(Instant::now());
-                self.sample_backlog().await;
+                for outbox in &*self.outboxes {
+                    sample_backlog(outbox).await;
+                }
             }
-            let batch = batch(
-                &self.inbox,
-                &*self.publisher,
-                &options,
-                &self.metrics,
-                self.share,
-            )
-            .await;
-            let wait = match batch {
-                Ok(report) => {
-                    self.counters.count(&report);
-                    if report.unavailable > 0 && report.published == 0 {
-                        // Nothing got through: the broker is in trouble (down, blocking
-                        // publishers). Back off, as after a database failure. A refusal, or some
-                        // rows not confirmed while others were, is the rows' own trouble: their
-                        // back-off is their own (`due_at`), and the others go on at once.
-                        trouble = next_pause(trouble);
-                        trouble
-                    } else {
-                        trouble = Duration::ZERO;
-                        if report.taken >= options.batch_size {
-                            idle = options.min_poll_interval;
-                            continue;
-                        }
-                        let wait = if report.taken > 0 {
-                            options.min_poll_interval
-                        } else {
-                            idle
-                        };
-                        idle = if report.taken > 0 {
-                            options.min_poll_interval
-                        } else {
-                            (idle * 2).min(options.max_poll_interval)
-                        };
-                        wait
-                    }
+            let round = self.round().await;
+            let wait = if round.failed == self.outboxes.len()
+                || (round.unavailable > 0 && round.published == 0)
+            {
+                // Every batch failed on the database, or nothing got through to the broker (down,
+                // blocking publishers): back off. A refusal, or some rows not confirmed while
+                // others were, is the rows' own trouble: their back-off is their own (`due_at`),
+                // and the others go on at once.
+                trouble = next_pause(trouble);
+                trouble
+            } else {
+                trouble = Duration::ZERO;
+                if round.full {
+                    idle = options.min_poll_interval;
+                    continue;
                 }
-                Err(error) => {
-                    self.counters.failed_batches.fetch_add(1, Ordering::Relaxed);
-                    trouble = next_pause(trouble);
-                    tracing::warn!(table = %self.inbox.table(), %error, pause = ?trouble, "an outbox batch failed; trying again");
-                    trouble
-                }
+                let wait = if round.taken > 0 {
+                    options.min_poll_interval
+                } else {
+                    idle
+                };
+                idle = if round.taken > 0 {
+                    options.min_poll_interval
+                } else {
+                    (idle * 2).min(options.max_poll_interval)
+                };
+                wait
             };
             tokio::select! {
                 () = self.wake.notified(), if trouble.is_zero() => {}
@@ -427,12 +453,48 @@ impl<DB: Backend, P: Publisher> Worker<DB, P> {
         }
     }
 
-    /// Counts the backlog for the metrics; a failure is only logged.
-    async fn sample_backlog(&self) {
-        match backlog(&self.inbox).await {
-            Ok((rows, oldest)) => self.metrics.backlog(rows, oldest),
-            Err(error) => tracing::debug!(%error, "could not count the outbox's backlog"),
+    /// One batch of each outbox, from this worker's first; the next round begins one further.
+    async fn round(&mut self) -> Round {
+        let mut round = Round::default();
+        let count = self.outboxes.len();
+        for offset in 0..count {
+            if *self.stopped.borrow() {
+                break;
+            }
+            let outbox = &self.outboxes[(self.first + offset) % count];
+            let batch = batch(
+                &outbox.inbox,
+                &*self.publisher,
+                &self.options,
+                &outbox.metrics,
+                self.share,
+            )
+            .await;
+            match batch {
+                Ok(report) => {
+                    self.counters.count(&report);
+                    round.taken += report.taken;
+                    round.published += report.published;
+                    round.unavailable += report.unavailable;
+                    round.full |= report.taken >= self.options.batch_size;
+                }
+                Err(error) => {
+                    self.counters.failed_batches.fetch_add(1, Ordering::Relaxed);
+                    round.failed += 1;
+                    tracing::warn!(table = %outbox.inbox.table(), %error, "an outbox batch failed; trying again");
+                }
+            }
         }
+        self.first = (self.first + 1) % count.max(1);
+        round
+    }
+}
+
+/// Counts an outbox's backlog for the metrics; a failure is only logged.
+async fn sample_backlog<DB: Backend>(outbox: &Served<DB>) {
+    match backlog(&outbox.inbox).await {
+        Ok((rows, oldest)) => outbox.metrics.backlog(rows, oldest),
+        Err(error) => tracing::debug!(%error, "could not count the outbox's backlog"),
     }
 }
 

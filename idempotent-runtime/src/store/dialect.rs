@@ -42,6 +42,9 @@ pub struct Dialect {
     /// the quoted table. `None` where the database does it by itself (InnoDB's purge thread,
     /// SQLite's free list).
     pub(crate) vacuum: Option<&'static str>,
+    /// What a claimed transaction's `BEGIN` ends with for an inbox in a schema of its own, the
+    /// schema at `{s}`: the body's statements then name tables of that schema (PostgreSQL).
+    pub(crate) set_schema: Option<&'static str>,
     /// What the outbox's statements need besides (see [`OutboxDialect`]).
     pub(crate) outbox: OutboxDialect,
 }

@@ -86,12 +86,13 @@ pub trait Store: sqlx::Database + Sized {
         conn: &mut Self::Connection,
     ) -> impl Future<Output = Result<Self::TransactionState, sqlx::Error>> + Send;
 
-    /// The message that begins the transaction and claims the key in one round trip, if this
-    /// backend and its settings send one: a committed duplicate then fails it with a unique
-    /// violation.
+    /// The message that begins the transaction (with `begin`, the statements that begin it) and
+    /// claims the key in one round trip, if this backend and its settings send one: a committed
+    /// duplicate then fails it with a unique violation.
     fn pipelined_claim(
         _settings: &Self::Settings,
         _statements: &InboxStatements,
+        _begin: &str,
         _consumer: &str,
         _key: &[u8],
         _fingerprint: Option<&[u8]>,
@@ -188,11 +189,13 @@ pub trait Store: sqlx::Database + Sized {
         commit: bool,
     ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a;
 
-    /// Whether the table `name` (unquoted) exists where the connection creates tables
-    /// (PostgreSQL: `current_schema()`; MySQL: `DATABASE()`; SQLite: `main`), never in
-    /// another schema or database the connection could also read; see [`schema`](crate::schema).
+    /// Whether the table `name` (unquoted) exists in `schema` (PostgreSQL, an inbox made for a
+    /// schema) or else where the connection creates tables (PostgreSQL: `current_schema()`;
+    /// MySQL: `DATABASE()`; SQLite: `main`), never in another schema or database the connection
+    /// could also read; see [`schema`](crate::schema).
     fn table_exists<'a>(
         conn: &'a mut Self::Connection,
+        schema: Option<&'a str>,
         name: &'a str,
     ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send + 'a;
 

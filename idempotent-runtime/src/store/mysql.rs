@@ -118,6 +118,7 @@ impl Store for MySql {
         end_own_connection: Some("KILL CONNECTION_ID()"),
         own_transaction: None,
         vacuum: None,
+        set_schema: None,
         outbox: OutboxDialect {
             skip_locked: " FOR UPDATE SKIP LOCKED",
             next_seq: " ON DUPLICATE KEY UPDATE last_seq = last_seq + 1, updated_at = VALUES(updated_at)",
@@ -198,7 +199,7 @@ impl Store for MySql {
 
     fn base_ddl(table: &TableName) -> Vec<String> {
         let t = table.quoted('`');
-        let index = table.quoted_suffixed("processed_at", '`');
+        let index = table.index("processed_at", '`');
         let calls = table.quoted_suffixed("calls", '`');
         vec![
             format!(
@@ -229,6 +230,7 @@ impl Store for MySql {
 
     fn upgrade_ddl(table: &TableName, to: u32) -> Vec<String> {
         let q = |suffix| table.quoted_suffixed(suffix, '`');
+        let i = |suffix| table.index(suffix, '`');
         let (calls, horizons, audit, schema) = (q("calls"), q("horizons"), q("audit"), q("schema"));
         let now_ms = Self::DIALECT.now_ms;
         match to {
@@ -238,7 +240,7 @@ impl Store for MySql {
                 format!("UPDATE {calls} SET updated_at = {now_ms} WHERE updated_at = 0"),
                 format!(
                     "CREATE INDEX {} ON {calls} (updated_at)",
-                    q("calls_updated")
+                    i("calls_updated")
                 ),
                 format!(
                     "CREATE TABLE IF NOT EXISTS {horizons} (
@@ -256,7 +258,7 @@ impl Store for MySql {
     forgotten_at BIGINT         NOT NULL,
     INDEX {} (forgotten_at)
 ) ENGINE = InnoDB",
-                    q("audit_at")
+                    i("audit_at")
                 ),
                 format!(
                     "CREATE TABLE IF NOT EXISTS {schema} (
@@ -288,8 +290,8 @@ impl Store for MySql {
     INDEX {} (state, sent_at)
 ) ENGINE = InnoDB",
                     q("outbox"),
-                    q("outbox_pending"),
-                    q("outbox_sent")
+                    i("outbox_pending"),
+                    i("outbox_sent")
                 ),
                 format!(
                     "CREATE TABLE IF NOT EXISTS {} (
@@ -299,7 +301,7 @@ impl Store for MySql {
     INDEX {} (updated_at)
 ) ENGINE = InnoDB",
                     q("outbox_keys"),
-                    q("outbox_keys_at")
+                    i("outbox_keys_at")
                 ),
             ],
             // Version 4 purges skipped outgoing messages by `(state, sent_at)`, which version 3
@@ -347,7 +349,11 @@ impl Store for MySql {
         Ok(())
     }
 
-    async fn table_exists(conn: &mut MySqlConnection, name: &str) -> Result<bool, sqlx::Error> {
+    async fn table_exists(
+        conn: &mut MySqlConnection,
+        _schema: Option<&str>,
+        name: &str,
+    ) -> Result<bool, sqlx::Error> {
         let found: i64 = sqlx::query_scalar(
             "SELECT COUNT(*) FROM information_schema.TABLES \
              WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = ?",

@@ -222,7 +222,9 @@ impl OutboxStatements {
                  SELECT {values}, ordering_key, last_seq FROM {k} WHERE ordering_key = {key}"
             )
         };
-        let channel = format!("{table}_outbox");
+        // Without the schema: the tenants' inboxes in schemas of one database share their
+        // relays' channel, and a relay of them all listens once.
+        let channel = format!("{}_outbox", table.as_str());
         let notify = notify.map(|sql| sql.replace("{c}", &channel).into());
         let taken = format!(
             "id, message_id, exchange, routing_key, payload, headers, attempts, created_at, \
@@ -454,6 +456,11 @@ impl OutboxStatements {
 
     pub(crate) fn notifying(self, notifies: bool) -> Self {
         Self { notifies, ..self }
+    }
+
+    /// Whether writers send the wake-up.
+    pub(crate) fn notifies(&self) -> bool {
+        self.notifies
     }
 
     /// These statements, sent as behind a pooler in transaction mode or not.

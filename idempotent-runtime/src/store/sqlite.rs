@@ -118,6 +118,7 @@ impl Store for Sqlite {
         end_own_connection: None,
         own_transaction: None,
         vacuum: None,
+        set_schema: None,
         outbox: OutboxDialect {
             skip_locked: "",
             next_seq: " ON CONFLICT (ordering_key) DO UPDATE \
@@ -224,7 +225,7 @@ impl Store for Sqlite {
 
     fn base_ddl(table: &TableName) -> Vec<String> {
         let t = table.quoted('"');
-        let index = table.quoted_suffixed("processed_at", '"');
+        let index = table.index("processed_at", '"');
         let calls = table.quoted_suffixed("calls", '"');
         vec![
             format!(
@@ -255,6 +256,7 @@ impl Store for Sqlite {
 
     fn upgrade_ddl(table: &TableName, to: u32) -> Vec<String> {
         let q = |suffix| table.quoted_suffixed(suffix, '"');
+        let i = |suffix| table.index(suffix, '"');
         let (calls, horizons, audit, schema) = (q("calls"), q("horizons"), q("audit"), q("schema"));
         let now_ms = Self::DIALECT.now_ms;
         match to {
@@ -264,7 +266,7 @@ impl Store for Sqlite {
                 format!("UPDATE {calls} SET updated_at = {now_ms} WHERE updated_at = 0"),
                 format!(
                     "CREATE INDEX IF NOT EXISTS {} ON {calls} (updated_at)",
-                    q("calls_updated")
+                    i("calls_updated")
                 ),
                 format!(
                     "CREATE TABLE IF NOT EXISTS {horizons} (
@@ -284,7 +286,7 @@ impl Store for Sqlite {
                 ),
                 format!(
                     "CREATE INDEX IF NOT EXISTS {} ON {audit} (forgotten_at)",
-                    q("audit_at")
+                    i("audit_at")
                 ),
                 format!(
                     "CREATE TABLE IF NOT EXISTS {schema} (
@@ -317,16 +319,16 @@ impl Store for Sqlite {
                     ),
                     format!(
                         "CREATE INDEX IF NOT EXISTS {} ON {outbox} (id) WHERE state = 0",
-                        q("outbox_pending")
+                        i("outbox_pending")
                     ),
                     format!(
                         "CREATE INDEX IF NOT EXISTS {} ON {outbox} (ordering_key, ordering_seq) \
                          WHERE state <> 1 AND ordering_key IS NOT NULL",
-                        q("outbox_key_seq")
+                        i("outbox_key_seq")
                     ),
                     format!(
                         "CREATE INDEX IF NOT EXISTS {} ON {outbox} (sent_at) WHERE state = 1",
-                        q("outbox_sent")
+                        i("outbox_sent")
                     ),
                     format!(
                         "CREATE TABLE IF NOT EXISTS {keys} (
@@ -337,14 +339,14 @@ impl Store for Sqlite {
                     ),
                     format!(
                         "CREATE INDEX IF NOT EXISTS {} ON {keys} (updated_at)",
-                        q("outbox_keys_at")
+                        i("outbox_keys_at")
                     ),
                 ]
             }
             // Skipped outgoing messages, purged by the time they were skipped.
             4 => vec![format!(
                 "CREATE INDEX IF NOT EXISTS {} ON {} (sent_at) WHERE state = 3",
-                q("outbox_skipped"),
+                i("outbox_skipped"),
                 q("outbox")
             )],
             _ => Vec::new(),
@@ -370,7 +372,11 @@ impl Store for Sqlite {
         }
     }
 
-    async fn table_exists(conn: &mut SqliteConnection, name: &str) -> Result<bool, sqlx::Error> {
+    async fn table_exists(
+        conn: &mut SqliteConnection,
+        _schema: Option<&str>,
+        name: &str,
+    ) -> Result<bool, sqlx::Error> {
         let found: i64 = sqlx::query_scalar(
             "SELECT COUNT(*) FROM sqlite_master WHERE type = 'table' AND name = $1",
         )

@@ -34,6 +34,9 @@ pub struct Statements {
     /// transaction run in a transaction of their own: outside a transaction the pooler may send a
     /// statement's parse and its execution to two different sessions.
     pub(crate) pooled: bool,
+    /// What the inbox's `BEGIN`s end with: in an inbox made for a schema, the statement that makes
+    /// the body's tables that schema's ([`Dialect::set_schema`]); empty otherwise.
+    pub(crate) begin_suffix: String,
 }
 
 impl Statements {
@@ -47,6 +50,12 @@ impl Statements {
             stats: StatsStatements::new(&dialect, table),
             outbox: OutboxStatements::new(&dialect, table),
             pooled: false,
+            begin_suffix: match (dialect.set_schema, table.schema()) {
+                (Some(sql), Some(schema)) => {
+                    sql.replace("{s}", &format!("{q}{schema}{q}", q = dialect.quote))
+                }
+                _ => String::new(),
+            },
         }
     }
 

@@ -123,6 +123,7 @@ impl Store for Postgres {
         end_own_connection: Some("SELECT pg_terminate_backend(pg_backend_pid())"),
         own_transaction: Some("current_setting('idempotent.claim', true) = 'on'"),
         vacuum: Some("VACUUM {t}"),
+        set_schema: Some("; SET LOCAL search_path TO {s}"),
         outbox: OutboxDialect {
             skip_locked: " FOR UPDATE SKIP LOCKED",
             next_seq: " ON CONFLICT (ordering_key) DO UPDATE \
@@ -144,6 +145,7 @@ impl Store for Postgres {
     fn pipelined_claim(
         settings: &PgSettings,
         statements: &InboxStatements,
+        begin: &str,
         consumer: &str,
         key: &[u8],
         fingerprint: Option<&[u8]>,
@@ -156,8 +158,7 @@ impl Store for Postgres {
                 |fingerprint| format!("decode('{}', 'hex')", hex(fingerprint)),
             );
             format!(
-                "{}; EXECUTE {}(convert_from(decode('{}', 'hex'), 'UTF8'), decode('{}', 'hex'), {fingerprint})",
-                Self::BEGIN,
+                "{begin}; EXECUTE {}(convert_from(decode('{}', 'hex'), 'UTF8'), decode('{}', 'hex'), {fingerprint})",
                 PreparedClaim::new(statements).name,
                 hex(consumer.as_bytes()),
                 hex(key),
@@ -232,7 +233,7 @@ impl Store for Postgres {
 
     fn base_ddl(table: &TableName) -> Vec<String> {
         let t = table.quoted('"');
-        let index = table.quoted_suffixed("processed_at", '"');
+        let index = table.index("processed_at", '"');
         let calls = table.quoted_suffixed("calls", '"');
         vec![
             format!(
@@ -263,6 +264,7 @@ impl Store for Postgres {
 
     fn upgrade_ddl(table: &TableName, to: u32) -> Vec<String> {
         let q = |suffix| table.quoted_suffixed(suffix, '"');
+        let i = |suffix| table.index(suffix, '"');
         let (calls, horizons, audit, schema) = (q("calls"), q("horizons"), q("audit"), q("schema"));
         let now_ms = Self::DIALECT.now_ms;
         match to {
@@ -273,7 +275,7 @@ impl Store for Postgres {
                 format!("UPDATE {calls} SET updated_at = {now_ms} WHERE updated_at = 0"),
                 format!(
                     "CREATE INDEX IF NOT EXISTS {} ON {calls} (updated_at)",
-                    q("calls_updated")
+                    i("calls_updated")
                 ),
                 format!(
                     "CREATE TABLE IF NOT EXISTS {horizons} (
@@ -293,7 +295,7 @@ impl Store for Postgres {
                 ),
                 format!(
                     "CREATE INDEX IF NOT EXISTS {} ON {audit} (forgotten_at)",
-                    q("audit_at")
+                    i("audit_at")
                 ),
                 format!(
                     "CREATE TABLE IF NOT EXISTS {schema} (
@@ -326,16 +328,16 @@ impl Store for Postgres {
                     ),
                     format!(
                         "CREATE INDEX IF NOT EXISTS {} ON {outbox} (id) WHERE state = 0",
-                        q("outbox_pending")
+                        i("outbox_pending")
                     ),
                     format!(
                         "CREATE INDEX IF NOT EXISTS {} ON {outbox} (ordering_key, ordering_seq) \
                          WHERE state <> 1 AND ordering_key IS NOT NULL",
-                        q("outbox_key_seq")
+                        i("outbox_key_seq")
                     ),
                     format!(
                         "CREATE INDEX IF NOT EXISTS {} ON {outbox} (sent_at) WHERE state = 1",
-                        q("outbox_sent")
+                        i("outbox_sent")
                     ),
                     format!(
                         "CREATE TABLE IF NOT EXISTS {keys} (
@@ -346,14 +348,14 @@ impl Store for Postgres {
                     ),
                     format!(
                         "CREATE INDEX IF NOT EXISTS {} ON {keys} (updated_at)",
-                        q("outbox_keys_at")
+                        i("outbox_keys_at")
                     ),
                 ]
             }
             // Skipped outgoing messages, purged by the time they were skipped.
             4 => vec![format!(
                 "CREATE INDEX IF NOT EXISTS {} ON {} (sent_at) WHERE state = 3",
-                q("outbox_skipped"),
+                i("outbox_skipped"),
                 q("outbox")
             )],
             _ => Vec::new(),
@@ -385,17 +387,23 @@ impl Store for Postgres {
         }
     }
 
-    /// Looks in the schema tables are created in (`current_schema()`, the first schema of the
-    /// `search_path` that exists), not along the whole `search_path`: a table of the same name in
-    /// a later schema (`public`) belongs to someone else, and is not this connection's.
-    async fn table_exists(conn: &mut PgConnection, name: &str) -> Result<bool, sqlx::Error> {
+    /// Looks in the inbox's schema, or else in the schema tables are created in
+    /// (`current_schema()`, the first schema of the `search_path` that exists), not along the
+    /// whole `search_path`: a table of the same name in a later schema (`public`) belongs to
+    /// someone else, and is not this connection's.
+    async fn table_exists(
+        conn: &mut PgConnection,
+        schema: Option<&str>,
+        name: &str,
+    ) -> Result<bool, sqlx::Error> {
         sqlx::query_scalar(
             "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_class c \
              JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace \
-             WHERE n.nspname = current_schema() AND c.relname = $1)",
+             WHERE n.nspname = coalesce($2, current_schema()) AND c.relname = $1)",
         )
         .persistent(false)
         .bind(name)
+        .bind(schema)
         .fetch_one(conn)
         .await
     }
