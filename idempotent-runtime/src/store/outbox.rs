@@ -976,6 +976,7 @@ mod tests {
             end_own_connection: None,
             own_transaction: None,
             vacuum: None,
+            set_schema: None,
             outbox: OutboxDialect {
                 skip_locked: " FOR UPDATE SKIP LOCKED",
                 next_seq: " ON CONFLICT (ordering_key) DO UPDATE SET last_seq = {k}.last_seq + 1, updated_at = {now}",
