@@ -3,6 +3,9 @@
 //!
 //! ```text
 //! idempotent --url postgres://… migrate                  create or upgrade the tables
+//! idempotent --url postgres://… --schema acme,globex migrate   each tenant's schema's tables
+//! idempotent --url mysql://…/acme --url mysql://…/globex migrate   each tenant's database's
+//! idempotent --url postgres://… --schema acme stats     any command, on one tenant's schema
 //! idempotent --url postgres://… ddl [--from 1]           print the SQL instead (no connection)
 //! idempotent --url … stats                               rows, oldest row, horizon, calls per consumer
 //! idempotent --url … inspect --consumer orders --key order-7
@@ -93,11 +96,17 @@ use crate::output::Output;
 #[command(name = "idempotent", version, about)]
 struct Cli {
     /// The database: postgres://…, sqlite://path or sqlite::memory:, mysql://… (or mariadb://…).
+    /// `migrate` takes several (`--url A --url B`: a tenant's database each).
     #[arg(long, env = "DATABASE_URL", hide_env_values = true, global = true)]
-    url: Option<String>,
+    url: Vec<String>,
     /// The inbox table, as configured with `Inbox::with_table`.
     #[arg(long, default_value = TableName::DEFAULT, global = true)]
     table: String,
+    /// PostgreSQL: the schema the inbox's tables are in, as configured with
+    /// `Inbox::with_schema` (a tenant's). `migrate` takes several (`--schema a,b` or
+    /// `--schema a --schema b`), and migrates each in every `--url`.
+    #[arg(long, value_delimiter = ',', global = true)]
+    schema: Vec<String>,
     /// Print JSON instead of tables.
     #[arg(long, global = true)]
     json: bool,
@@ -365,7 +374,14 @@ fn scheme(url: &str) -> Result<Scheme, Failure> {
 async fn run(cli: Cli) -> Result<(), Failure> {
     #[cfg(feature = "kafka")]
     if let Command::Kafka(group) = cli.command {
-        return kafka::run(*group, Output { json: cli.json }).await;
+        return kafka::run(
+            *group,
+            Output {
+                json: cli.json,
+                database: None,
+            },
+        )
+        .await;
     }
     #[cfg(any(
         feature = "sqs",
@@ -379,14 +395,46 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         let Command::Dlq(queue) = cli.command else {
             unreachable!("matched above")
         };
-        return dlq::run::<Sqlite>(queue, Output { json: cli.json }, None).await;
+        return dlq::run::<Sqlite>(
+            queue,
+            Output {
+                json: cli.json,
+                database: None,
+            },
+            None,
+        )
+        .await;
     }
-    let url = cli
-        .url
-        .clone()
-        .ok_or_else(|| fail("no database: pass --url or set DATABASE_URL"))?;
     let table = TableName::new(&cli.table)?;
-    let out = Output { json: cli.json };
+    let out = Output {
+        json: cli.json,
+        database: None,
+    };
+    let migrates = matches!(cli.command, Command::Migrate);
+    let Some(url) = cli.url.first().cloned() else {
+        return Err(fail("no database: pass --url or set DATABASE_URL"));
+    };
+    if !migrates && (cli.url.len() > 1 || cli.schema.len() > 1) {
+        return Err(fail(
+            "only migrate takes several --url or --schema: give one of each to the other commands",
+        ));
+    }
+    if migrates {
+        for (n, url) in cli.url.iter().enumerate() {
+            let out = Output {
+                database: (cli.url.len() > 1).then_some(n + 1),
+                ..out
+            };
+            let schemas: Vec<Option<&str>> = match cli.schema.as_slice() {
+                [] => vec![None],
+                schemas => schemas.iter().map(|schema| Some(schema.as_str())).collect(),
+            };
+            for schema in schemas {
+                on_inbox(url, &cli.table, schema, Command::Migrate, out).await?;
+            }
+        }
+        return Ok(());
+    }
     if let Command::Ddl { from } = cli.command {
         let latest = idempotent::schema::CURRENT_VERSION;
         if from > latest {
@@ -405,17 +453,40 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         out.ddl(&statements);
         return Ok(());
     }
-    match scheme(&url)? {
+    let schema = cli.schema.first().map(String::as_str);
+    on_inbox(&url, &cli.table, schema, cli.command, out).await
+}
+
+/// Runs `command` on the inbox in `table` (and `schema`, on PostgreSQL) of `url`'s database.
+async fn on_inbox(
+    url: &str,
+    table: &str,
+    schema: Option<&str>,
+    command: Command,
+    out: Output,
+) -> Result<(), Failure> {
+    if schema.is_some() && !matches!(scheme(url)?, Scheme::Postgres) {
+        return Err(fail(
+            "--schema is PostgreSQL's: on MySQL and SQLite a tenant has a database of its own, \
+             give its --url",
+        ));
+    }
+    match scheme(url)? {
         Scheme::Postgres => {
             let options: sqlx::postgres::PgConnectOptions = url.parse()?;
             let pool = connect::<Postgres>(options).await?;
-            command(Inbox::new(pool).with_table(&cli.table)?, cli.command, out).await
+            let inbox = Inbox::new(pool).with_table(table)?;
+            let inbox = match schema {
+                Some(schema) => inbox.with_schema(schema)?,
+                None => inbox,
+            };
+            self::command(inbox, command, out).await
         }
         Scheme::Sqlite => {
             // Only `migrate` creates the database: another command on a mistyped path must not
             // leave an empty database there.
-            let creates = matches!(cli.command, Command::Migrate);
-            let options = idempotent::sqlite::connect_options(&url)?.create_if_missing(creates);
+            let creates = matches!(command, Command::Migrate);
+            let options = idempotent::sqlite::connect_options(url)?.create_if_missing(creates);
             let path = options.get_filename().display().to_string();
             let pool = connect::<Sqlite>(options)
                 .await
@@ -425,13 +496,13 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                     )),
                     _ => error,
                 })?;
-            command(Inbox::new(pool).with_table(&cli.table)?, cli.command, out).await
+            self::command(Inbox::new(pool).with_table(table)?, command, out).await
         }
         Scheme::MySql => {
             let url = url.replacen("mariadb:", "mysql:", 1);
             let options: sqlx::mysql::MySqlConnectOptions = url.parse()?;
             let pool = connect::<MySql>(options).await?;
-            command(Inbox::new(pool).with_table(&cli.table)?, cli.command, out).await
+            self::command(Inbox::new(pool).with_table(table)?, command, out).await
         }
     }
 }

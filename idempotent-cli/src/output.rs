@@ -12,8 +12,12 @@ use serde_json::{Value, json};
 use crate::args::rfc3339;
 
 /// How to print.
+#[derive(Clone, Copy)]
 pub(crate) struct Output {
     pub(crate) json: bool,
+    /// Which of several databases the lines are of (`migrate` with several `--url`): the index of
+    /// its `--url`, from 1.
+    pub(crate) database: Option<usize>,
 }
 
 pub(crate) fn time(time: Option<SystemTime>) -> Value {
@@ -144,14 +148,27 @@ impl Output {
 
     pub(crate) fn migration(&self, table: &TableName, migration: Migration) {
         if self.json {
-            print_json(
-                json!({ "table": table.as_str(), "from": migration.from, "to": migration.to }),
+            print_json(json!({
+                "url": self.database,
+                "schema": table.schema(),
+                "table": table.as_str(),
+                "from": migration.from,
+                "to": migration.to,
+            }));
+            return;
+        }
+        let url = self
+            .database
+            .map(|n| format!("--url #{n}: "))
+            .unwrap_or_default();
+        if migration.from == migration.to {
+            println!(
+                "{url}{table}: schema version {}, nothing to do",
+                migration.to
             );
-        } else if migration.from == migration.to {
-            println!("{table}: schema version {}, nothing to do", migration.to);
         } else {
             println!(
-                "{table}: schema version {} -> {}",
+                "{url}{table}: schema version {} -> {}",
                 migration.from, migration.to
             );
         }

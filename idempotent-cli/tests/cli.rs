@@ -479,6 +479,120 @@ async fn the_binary_operates_a_mysql_inbox() {
     exercise(&url.replacen("mysql:", "mariadb:", 1), Inbox::new(pool)).await;
 }
 
+/// Every JSON value a command printed, one after another.
+fn json_values(out: &Output) -> Vec<Value> {
+    assert!(
+        out.status.success(),
+        "failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::Deserializer::from_slice(&out.stdout)
+        .into_iter()
+        .collect::<Result<_, _>>()
+        .expect("--json prints JSON")
+}
+
+#[tokio::test]
+async fn migrate_takes_every_tenant_by_schema_or_by_database() {
+    let id = uuid::Uuid::new_v4().simple().to_string();
+    let base = std::env::var("IDEMPOTENT_PG_URL")
+        .expect("IDEMPOTENT_PG_URL is not set: run the tests with scripts/test");
+    let admin = sqlx::PgPool::connect(&base).await.unwrap();
+    let schemas: Vec<String> = ["a", "b", "c"].map(|t| format!("cli_{t}_{id}")).into();
+    for schema in &schemas {
+        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
+            .execute(&admin)
+            .await
+            .unwrap();
+    }
+    let listed = schemas.join(",");
+    let migrated = json_values(&idempotent(
+        &base,
+        &["--schema", &listed, "migrate", "--json"],
+    ));
+    assert_eq!(migrated.len(), 3, "{migrated:?}");
+    for (schema, migration) in schemas.iter().zip(&migrated) {
+        assert_eq!(migration["schema"], schema.as_str());
+        assert_eq!(migration["from"], 0, "{schema}: tables found elsewhere");
+        let made: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
+            .bind(format!("{schema}.idempotent_inbox_outbox"))
+            .fetch_one(&admin)
+            .await
+            .unwrap();
+        assert!(made, "{schema} has no outbox table");
+    }
+    let again = idempotent(&base, &["--schema", &schemas[1], "migrate"]);
+    let said = String::from_utf8_lossy(&again.stdout);
+    assert!(
+        said.contains(&format!("{}.idempotent_inbox: schema version", schemas[1]))
+            && said.contains("nothing to do"),
+        "{said}"
+    );
+    // Any command on one tenant's schema: its tables, not the connection's.
+    let inbox = Inbox::new(sqlx::PgPool::connect(&base).await.unwrap())
+        .with_schema(&schemas[2])
+        .unwrap();
+    inbox
+        .claim("orders", "order-1")
+        .await
+        .unwrap()
+        .unwrap()
+        .commit()
+        .await
+        .unwrap();
+    let stats = json(&base, &["--schema", &schemas[2], "stats"]);
+    assert_eq!(consumer(&stats, "orders")["rows"], 1);
+    let stats = json(&base, &["--schema", &schemas[0], "stats"]);
+    assert_eq!(
+        stats["consumers"].as_array().map(Vec::len),
+        Some(0),
+        "{stats}"
+    );
+    refused(
+        &base,
+        &["--schema", &listed, "stats"],
+        "only migrate takes several",
+    );
+    refused(
+        &base,
+        &["--schema", "Bad-Name", "migrate"],
+        "invalid schema name",
+    );
+
+    // By database on MariaDB: several URLs.
+    let base = std::env::var("IDEMPOTENT_MYSQL_URL")
+        .expect("IDEMPOTENT_MYSQL_URL is not set: run the tests with scripts/test");
+    let admin = sqlx::MySqlPool::connect(&base).await.unwrap();
+    let (server, _) = base.rsplit_once('/').expect("a URL with a database");
+    let mut urls = Vec::new();
+    for tenant in ["a", "b"] {
+        let database = format!("cli_{tenant}_{id}");
+        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {database}")))
+            .execute(&admin)
+            .await
+            .unwrap();
+        urls.push(format!("{server}/{database}"));
+    }
+    let out = Command::new(BIN)
+        .args(["--url", &urls[0], "--url", &urls[1], "migrate", "--json"])
+        .env_remove("DATABASE_URL")
+        .output()
+        .unwrap();
+    let migrated = json_values(&out);
+    assert_eq!(migrated.len(), 2, "{migrated:?}");
+    for (n, migration) in migrated.iter().enumerate() {
+        assert_eq!(
+            (migration["url"].as_u64(), migration["from"].as_u64()),
+            (Some(n as u64 + 1), Some(0))
+        );
+    }
+    refused(
+        &urls[0],
+        &["--schema", "a", "migrate"],
+        "--schema is PostgreSQL's",
+    );
+}
+
 /// An SQLite database in a temporary folder with the inbox's tables, for the commands' checks of
 /// their input.
 fn migrated_sqlite() -> (tempfile::TempDir, String) {
