@@ -5,7 +5,7 @@
 //! idempotent --url postgres://… migrate                  create or upgrade the tables
 //! idempotent --url postgres://… --schema acme,globex migrate   each tenant's schema's tables
 //! idempotent --url mysql://…/acme --url mysql://…/globex migrate   each tenant's database's
-//! idempotent --url postgres://… --schema acme stats     any command, on one tenant's schema
+//! idempotent --url postgres://… --schema acme stats     any command (ddl too), on one tenant's schema
 //! idempotent --url postgres://… ddl [--from 1]           print the SQL instead (no connection)
 //! idempotent --url … stats                               rows, oldest row, horizon, calls per consumer
 //! idempotent --url … inspect --consumer orders --key order-7
@@ -371,6 +371,14 @@ fn scheme(url: &str) -> Result<Scheme, Failure> {
     }
 }
 
+/// Said to a command given several `--url` or `--schema` that takes one.
+const ONE_EACH: &str =
+    "only migrate takes several --url or --schema: give one of each to the other commands";
+
+/// Said to a `--schema` on another database.
+const SCHEMA_IS_POSTGRES: &str = "--schema is PostgreSQL's: on MySQL and SQLite a tenant has a \
+     database of its own, give its --url";
+
 async fn run(cli: Cli) -> Result<(), Failure> {
     #[cfg(feature = "kafka")]
     if let Command::Kafka(group) = cli.command {
@@ -415,9 +423,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         return Err(fail("no database: pass --url or set DATABASE_URL"));
     };
     if !migrates && (cli.url.len() > 1 || cli.schema.len() > 1) {
-        return Err(fail(
-            "only migrate takes several --url or --schema: give one of each to the other commands",
-        ));
+        return Err(fail(ONE_EACH));
     }
     if migrates {
         for (n, url) in cli.url.iter().enumerate() {
@@ -436,6 +442,11 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         return Ok(());
     }
     if let Command::Ddl { from } = cli.command {
+        let table = match cli.schema.first() {
+            None => table,
+            Some(schema) if matches!(scheme(&url)?, Scheme::Postgres) => table.in_schema(schema)?,
+            Some(_) => return Err(fail(SCHEMA_IS_POSTGRES)),
+        };
         let latest = idempotent::schema::CURRENT_VERSION;
         if from > latest {
             return Err(fail(format!(
@@ -466,10 +477,7 @@ async fn on_inbox(
     out: Output,
 ) -> Result<(), Failure> {
     if schema.is_some() && !matches!(scheme(url)?, Scheme::Postgres) {
-        return Err(fail(
-            "--schema is PostgreSQL's: on MySQL and SQLite a tenant has a database of its own, \
-             give its --url",
-        ));
+        return Err(fail(SCHEMA_IS_POSTGRES));
     }
     match scheme(url)? {
         Scheme::Postgres => {

@@ -553,6 +553,13 @@ async fn migrate_takes_every_tenant_by_schema_or_by_database() {
         &["--schema", &listed, "stats"],
         "only migrate takes several",
     );
+    let ddl = idempotent(&base, &["--schema", "acme", "ddl"]);
+    let ddl = String::from_utf8_lossy(&ddl.stdout);
+    assert!(
+        ddl.contains(r#"CREATE TABLE IF NOT EXISTS "acme"."idempotent_inbox" ("#)
+            && ddl.contains(r#"INDEX IF NOT EXISTS "idempotent_inbox_processed_at" ON "acme"."idempotent_inbox""#),
+        "{ddl}"
+    );
     refused(
         &base,
         &["--schema", "Bad-Name", "migrate"],

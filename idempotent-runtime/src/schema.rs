@@ -29,6 +29,11 @@
 //! same schema. Migrate each tenant's pool (or run the DDL in each tenant's schema): a pool whose
 //! own schema has no tables would use those of the next schema of its `search_path`.
 //!
+//! An inbox made for a tenant's schema ([`Inbox::with_schema`](crate::Inbox::with_schema),
+//! PostgreSQL) looks for and creates its tables in that schema, and names them with it in every
+//! statement, whatever the connection's `search_path`; [`ddl`] of a
+//! [`TableName::in_schema`](crate::TableName::in_schema) gives its DDL.
+//!
 //! Teams that run their own migrations take the same statements from [`ddl`] (or the CLI's
 //! `idempotent ddl`), including the row that records the version, so that a later `migrate()`
 //! knows where the tables stand.

@@ -40,9 +40,9 @@ impl TableName {
         }
     }
 
-    /// The same table in `schema` (PostgreSQL): 1 to 63 characters from `a-z`, `0-9` and `_`, not
-    /// starting with a digit.
-    pub(crate) fn in_schema(self, schema: &str) -> Result<Self, InboxError> {
+    /// The same table in `schema` (PostgreSQL; see [`Inbox::with_schema`](crate::Inbox::with_schema)):
+    /// 1 to 63 characters from `a-z`, `0-9` and `_`, not starting with a digit.
+    pub fn in_schema(self, schema: &str) -> Result<Self, InboxError> {
         match identifier_fault(schema, 63, "it is longer than 63 characters") {
             Some(reason) => Err(InboxError::SchemaName {
                 name: schema.to_owned(),
