@@ -21,11 +21,10 @@ use crate::transaction::InboxTransaction;
 /// together. Dropping it (a panic, a cancelled future) rolls back, so the key stays unclaimed.
 pub struct Claimed<DB: Backend> {
     tx: InboxTransaction<DB>,
-    consumer: Box<str>,
-    key: MessageKey,
     config: Arc<Config<DB>>,
     metrics: Arc<Metrics>,
-    /// The messages to write to the outbox at the commit.
+    /// The messages to write to the outbox at the commit; it holds the consumer (its origin) and
+    /// the claimed key.
     outbox: Outbox,
     /// What wakes the relays once the messages are committed, and the pool it wakes them on.
     wakeups: Arc<Wakeups>,
@@ -43,9 +42,7 @@ impl<DB: Backend> Claimed<DB> {
     ) -> Self {
         Self {
             tx,
-            outbox: Outbox::of(inbox.config.tenant.clone(), consumer, key.clone()),
-            consumer: consumer.into(),
-            key,
+            outbox: Outbox::of(inbox.config.tenant.clone(), consumer, key),
             config: inbox.config.clone(),
             metrics: inbox.metrics.clone(),
             wakeups: inbox.wakeups.clone(),
@@ -60,8 +57,8 @@ impl<DB: Backend> Claimed<DB> {
         let proved = DB::set_response(
             self.tx.connection(),
             &self.config.statements.inbox,
-            &self.consumer,
-            self.key.as_bytes(),
+            self.outbox.origin(),
+            self.outbox.key().as_bytes(),
             response,
         )
         .await
@@ -80,8 +77,8 @@ impl<DB: Backend> Claimed<DB> {
         let row = DB::stored(
             self.tx.connection(),
             &self.config.statements.inbox,
-            &self.consumer,
-            self.key.as_bytes(),
+            self.outbox.origin(),
+            self.outbox.key().as_bytes(),
         )
         .await;
         matches!(row, Ok(None))
@@ -107,13 +104,18 @@ impl<DB: Backend> Claimed<DB> {
 
     /// Returns the claimed key.
     pub fn key(&self) -> &MessageKey {
-        &self.key
+        self.outbox.key()
+    }
+
+    /// The consumer that claimed it.
+    fn consumer(&self) -> &str {
+        self.outbox.origin()
     }
 
     /// Returns the key to pass on to an outside service that deduplicates by idempotency key; the
     /// same on every delivery of this message to this consumer.
     pub fn idempotency_key(&self) -> IdempotencyKey {
-        IdempotencyKey::new(&self.consumer, &self.key)
+        IdempotencyKey::new(self.consumer(), self.key())
     }
 
     /// Commits the handler's work and the claim together, if the transaction is still the one the
@@ -122,14 +124,13 @@ impl<DB: Backend> Claimed<DB> {
     pub async fn commit(self) -> Result<(), InboxError> {
         let Self {
             mut tx,
-            consumer,
-            key,
             config,
             metrics,
             outbox,
             wakeups,
             pool,
         } = self;
+        let (consumer, key) = (outbox.origin(), outbox.key());
         #[cfg(feature = "testing")]
         if config.injected == Some(super::config::Injected::CrashBeforeCommit) {
             let _ = tx.rollback().await;
@@ -141,7 +142,7 @@ impl<DB: Backend> Claimed<DB> {
                 fault: Fault::None,
             });
         }
-        let claim = (&config.statements, &*consumer, &key);
+        let claim = (&config.statements, consumer, key);
         let written =
             outgoing::write::<DB>(tx.connection(), &config.statements.outbox, &outbox).await;
         let committed = match written {
@@ -157,12 +158,12 @@ impl<DB: Backend> Claimed<DB> {
                 if !outbox.is_empty() {
                     wakeups.wake(&pool, &config.statements.outbox);
                 }
-                metrics.message(&consumer, Outcome::Processed, 1);
+                metrics.message(consumer, Outcome::Processed, 1);
                 tracing::Span::current().record("outcome", "processed");
                 tracing::debug!(%consumer, key = %key.digest(), "committed");
             }
             Err(error) => {
-                metrics.message(&consumer, Outcome::RolledBack, 1);
+                metrics.message(consumer, Outcome::RolledBack, 1);
                 tracing::Span::current().record("outcome", "commit failed");
                 tracing::warn!(%consumer, key = %key.digest(), %error, "commit failed");
             }
@@ -172,9 +173,10 @@ impl<DB: Backend> Claimed<DB> {
 
     /// Rolls back the handler's work and the claim: a redelivery will run the handler again.
     pub async fn rollback(self) {
-        self.metrics.message(&self.consumer, Outcome::RolledBack, 1);
+        self.metrics
+            .message(self.consumer(), Outcome::RolledBack, 1);
         tracing::Span::current().record("outcome", "rolled back");
-        tracing::debug!(consumer = %self.consumer, key = %self.key.digest(), "rolled back");
+        tracing::debug!(consumer = %self.consumer(), key = %self.key().digest(), "rolled back");
         let _ = self.tx.rollback().await;
     }
 
@@ -208,9 +210,10 @@ impl<DB: Backend> Claimed<DB> {
             Err(error) => error,
         };
         let fault = as_error(&error).map_or(Fault::None, fault_of);
-        self.metrics.message(&self.consumer, Outcome::RolledBack, 1);
+        self.metrics
+            .message(self.consumer(), Outcome::RolledBack, 1);
         tracing::Span::current().record("outcome", "rolled back");
-        tracing::debug!(consumer = %self.consumer, key = %self.key.digest(), ?fault, "handler failed; rolled back");
+        tracing::debug!(consumer = %self.consumer(), key = %self.key().digest(), ?fault, "handler failed; rolled back");
         match fault {
             Fault::None => {}
             // The database failed under the body (a deadlock, a Galera conflict, a lost
@@ -237,7 +240,11 @@ impl<DB: Backend> Claimed<DB> {
             )) => (session, later_writes_refused),
         };
         // The body ended the inbox's transaction itself before it failed.
-        let claim = (&self.config.statements, &*self.consumer, &self.key);
+        let claim = (
+            &self.config.statements,
+            self.outbox.origin(),
+            self.outbox.key(),
+        );
         Err(Error::Inbox(
             ended_by_body(session, Some(claim), later_writes_refused).await,
         ))
@@ -264,8 +271,8 @@ impl<DB: Backend> Claimed<DB> {
 impl<DB: Backend> fmt::Debug for Claimed<DB> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Claimed")
-            .field("consumer", &self.consumer)
-            .field("key", &self.key)
+            .field("consumer", &self.consumer())
+            .field("key", self.key())
             .finish_non_exhaustive()
     }
 }

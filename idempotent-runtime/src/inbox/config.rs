@@ -147,8 +147,9 @@ impl Inbox<sqlx::Postgres> {
     /// in that schema, and every transaction a handler gets from it (a claim, a batch, an HTTP
     /// request) begins with `SET LOCAL search_path TO "<schema>"`, so that the handler's own
     /// statements name that schema's tables without saying so. Tenants in schemas of one database
-    /// share one pool (a pool per tenant would take as many connections); see the guide
-    /// [Tenants](crate::guide::tenants) and [`Tenants`](crate::Tenants).
+    /// share one pool (a pool per tenant would take as many connections); see [`Tenants`](crate::Tenants)
+    /// and the guide "Running at scale"
+    /// (<https://docs.rs/idempotent-inbox/latest/idempotent/guide/scale/index.html#tenants>).
     ///
     /// The `search_path` is the schema alone: a table the tenants share is named with its
     /// schema (`public.plans`). `schema` follows [`TableName`]'s rules, up to 63 characters;

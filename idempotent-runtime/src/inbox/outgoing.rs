@@ -203,6 +203,11 @@ impl Outbox {
         &self.origin
     }
 
+    /// The key the derived ids come from: the claimed key, or the one given to [`Outbox::new`].
+    pub(crate) fn key(&self) -> &MessageKey {
+        &self.key
+    }
+
     /// Returns the queued messages with their ids, in order.
     pub fn messages(&self) -> impl Iterator<Item = (&str, &OutgoingMessage)> {
         self.queued
