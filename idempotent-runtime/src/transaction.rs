@@ -225,7 +225,13 @@ impl<DB: Backend> InboxTransaction<DB> {
             Err(Pipeline::Failed(error)) if DB::lost_statement(&error) => {}
             outcome => return outcome,
         }
-        // This session has not prepared the claim: a new connection, or a `DEALLOCATE`.
+        // This session has not prepared the claim: a new connection, or a `DEALLOCATE`. A body's
+        // `DEALLOCATE ALL` took the driver's statements too: forget them, or every later body
+        // statement sqlx had cached fails on this connection (the claim no longer tells).
+        self.session
+            .try_step(DB::forget_statements)
+            .await
+            .map_err(Pipeline::Failed)?;
         let prepared = self
             .session
             .try_step(|conn| async {
