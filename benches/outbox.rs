@@ -40,7 +40,7 @@ use idempotent::broker::rabbitmq::lapin::{
 use idempotent::outbox::{
     Destination, Outbox, OutgoingMessage, Publication, PublishError, Publisher, RelayOptions,
 };
-use idempotent::{Inbox, idempotent};
+use idempotent::{Inbox, Tenants, idempotent};
 use sqlx::{PgConnection, PgPool, Postgres};
 
 const ACCOUNTS: i64 = 10_000;
@@ -112,8 +112,13 @@ async fn drain<P: Publisher>(
     options: RelayOptions,
     count: usize,
 ) -> f64 {
+    drain_with(|| inbox.spawn_relay(publisher, options), count).await
+}
+
+/// Runs the relay `spawn` starts until it published `count` messages; messages per second.
+async fn drain_with(spawn: impl FnOnce() -> idempotent::outbox::Relay, count: usize) -> f64 {
     let start = Instant::now();
-    let relay = inbox.spawn_relay(publisher, options);
+    let relay = spawn();
     while (relay.stats().published as usize) < count {
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
@@ -585,6 +590,86 @@ async fn keyed_drain(
     );
 }
 
+/// The tenants of the `tenants` section.
+const TENANTS: usize = 100;
+
+/// One relay over `TENANTS` tenants' outboxes (schemas of one database, one pool), `count`
+/// messages spread evenly, against one outbox with `count`; RabbitMQ, medians of 3 rounds.
+async fn tenants_drain(pool: &PgPool, channel: &Channel, queue: &str, count: usize) {
+    const BATCH: usize = 500;
+    let schemas: Vec<String> = (0..TENANTS)
+        .map(|n| format!("bench_tenant_{n:03}"))
+        .collect();
+    let mut ddl = String::new();
+    for schema in &schemas {
+        ddl.push_str(&format!(
+            "DROP SCHEMA IF EXISTS {schema} CASCADE; CREATE SCHEMA {schema};"
+        ));
+    }
+    sqlx::raw_sql(sqlx::AssertSqlSafe(ddl))
+        .execute(pool)
+        .await
+        .unwrap();
+    let one = Inbox::new(pool.clone());
+    let tenants = Tenants::by_schema(&one, schemas.iter().map(String::as_str)).unwrap();
+    tenants.migrate().await.unwrap();
+    let truncate: String = schemas
+        .iter()
+        .map(|s| format!("TRUNCATE {s}.idempotent_inbox_outbox, {s}.idempotent_inbox_outbox_keys;"))
+        .collect();
+    let destination = Destination::queue(queue);
+    let publisher = || async {
+        idempotent::broker::rabbitmq::OutboxPublisher::connect(&env("IDEMPOTENT_AMQP_URL"))
+            .await
+            .unwrap()
+    };
+    let runs = [1, 4];
+    let mut rates: Vec<(Vec<f64>, Vec<f64>)> = vec![Default::default(); runs.len()];
+    for _ in 0..3 {
+        for (run, workers) in runs.iter().enumerate() {
+            let options = RelayOptions::default().batch_size(BATCH).workers(*workers);
+            reset(pool).await;
+            fill_outbox(&one, count, &destination).await;
+            let publisher_one = publisher().await;
+            let single = drain(&one, publisher_one, options.clone(), count).await;
+            purge(channel, queue).await;
+
+            sqlx::raw_sql(sqlx::AssertSqlSafe(truncate.clone()))
+                .execute(pool)
+                .await
+                .unwrap();
+            for (_, inbox) in tenants.iter() {
+                fill_outbox(inbox, count / TENANTS, &destination).await;
+            }
+            let publisher_all = publisher().await;
+            let spread = drain_with(
+                || tenants.spawn_relay(publisher_all, options),
+                count / TENANTS * TENANTS,
+            )
+            .await;
+            purge(channel, queue).await;
+            rates[run].0.push(single);
+            rates[run].1.push(spread);
+        }
+    }
+    let median = |mut r: Vec<f64>| {
+        r.sort_by(f64::total_cmp);
+        r[r.len() / 2]
+    };
+    println!("\n## Tenants ({count} messages, batches of {BATCH}, RabbitMQ, median of 3 rounds)\n");
+    println!(
+        "| workers | one outbox, messages/s | {TENANTS} tenants' outboxes (schemas, one pool), messages/s | ratio |"
+    );
+    println!("|---|---|---|---|");
+    for (workers, (single, spread)) in runs.iter().zip(rates) {
+        let (single, spread) = (median(single), median(spread));
+        println!(
+            "| {workers} | {single:.0} | {spread:.0} | {:.2} |",
+            spread / single
+        );
+    }
+}
+
 fn ms(d: Duration) -> String {
     format!("{:.1}", d.as_secs_f64() * 1000.0)
 }
@@ -610,8 +695,8 @@ async fn main() {
         .and_then(|n| n.parse().ok())
         .unwrap_or(20_000);
 
-    // The sections named after `--bench` (`throughput`, which includes `keyed`, `latency`, `cost`),
-    // or all.
+    // The sections named after `--bench` (`throughput`, which includes `keyed`, `latency`, `cost`,
+    // `tenants`), or all.
     let named: Vec<String> = std::env::args()
         .skip(1)
         .filter(|arg| !arg.starts_with('-'))
@@ -643,6 +728,9 @@ async fn main() {
     };
     if wanted("throughput") || wanted("keyed") {
         keyed_drain(&inbox, &pool, &channel, &queue, count, rabbitmq_own).await;
+    }
+    if wanted("tenants") {
+        tenants_drain(&pool, &channel, &queue, count).await;
     }
     if wanted("throughput") {
         // 1. Throughput: RabbitMQ.

@@ -320,15 +320,17 @@ pub(crate) fn spawn<DB: Backend, P: Publisher>(
             }
         })
     };
-    // One listener a channel: the inboxes in schemas of one database share theirs.
-    let mut channels: Vec<&str> = Vec::new();
+    // One listener for each database and channel: the inboxes in schemas of one database share
+    // theirs.
+    let mut heard: Vec<(String, &str)> = Vec::new();
     let mut listeners = Vec::new();
     for inbox in inboxes {
         let statements = &inbox.config.statements.outbox;
-        if !options.listen || statements.pooled || channels.contains(&&*statements.channel) {
+        let place = (DB::listen_scope(inbox.pool()), &*statements.channel);
+        if !options.listen || statements.pooled || heard.contains(&place) {
             continue;
         }
-        channels.push(&statements.channel);
+        heard.push(place);
         listeners.extend(DB::listen_outbox(
             inbox.pool(),
             &statements.channel,

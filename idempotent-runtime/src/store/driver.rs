@@ -249,4 +249,11 @@ pub trait Store: sqlx::Database + Sized {
     ) -> Option<tokio::task::JoinHandle<()>> {
         None
     }
+
+    /// Where a [`listen_outbox`](Store::listen_outbox) on `pool` hears from (PostgreSQL: the
+    /// server, database and user its connections go to): a relay over several inboxes listens
+    /// once for each place and channel.
+    fn listen_scope(_pool: &Pool<Self>) -> String {
+        String::new()
+    }
 }

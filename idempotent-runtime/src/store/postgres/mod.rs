@@ -490,6 +490,17 @@ impl Store for Postgres {
             wake,
         )))
     }
+
+    fn listen_scope(pool: &PgPool) -> String {
+        let options = pool.connect_options();
+        format!(
+            "{}@{}:{}/{}",
+            options.get_username(),
+            options.get_host(),
+            options.get_port(),
+            options.get_database().unwrap_or_default()
+        )
+    }
 }
 
 /// Whether a pooler in transaction mode sits between `pool` and PostgreSQL: a statement prepared
