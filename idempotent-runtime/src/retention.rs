@@ -115,6 +115,18 @@ pub struct PurgeReport {
     pub locked_elsewhere: bool,
 }
 
+impl PurgeReport {
+    /// Adds what `other` deleted (the purges of several tenants); locked elsewhere if either was.
+    pub(crate) fn add(&mut self, other: &PurgeReport) {
+        self.deleted += other.deleted;
+        self.calls_deleted += other.calls_deleted;
+        self.audit_deleted += other.audit_deleted;
+        self.outbox_deleted += other.outbox_deleted;
+        self.batches += other.batches;
+        self.locked_elsewhere |= other.locked_elsewhere;
+    }
+}
+
 /// How the background purger works; see [`Inbox::spawn_purger`](crate::Inbox::spawn_purger).
 #[derive(Debug, Clone, Copy)]
 #[non_exhaustive]
@@ -506,8 +518,9 @@ pub(crate) async fn check_horizon<DB: Backend>(
     }
 }
 
-/// Runs `purge` every `options.interval` in a tokio task, logging its failures.
-pub(crate) fn spawn<F>(options: PurgerOptions, table: TableName, mut purge: F) -> Purger
+/// Runs `purge` every `options.interval` in a tokio task, logging its failures as those of
+/// `table`'s purge.
+pub(crate) fn spawn<F>(options: PurgerOptions, table: String, mut purge: F) -> Purger
 where
     F: FnMut(usize, Duration) -> BoxFuture<'static, Result<PurgeReport, InboxError>>
         + Send

@@ -15,6 +15,7 @@ use std::sync::Arc;
 use crate::error::InboxError;
 use crate::inbox::Inbox;
 use crate::outbox::{Publisher, Relay, RelayOptions};
+use crate::retention::{self, PurgeReport, Purger, PurgerOptions};
 use crate::schema::Migration;
 use crate::store::Backend;
 
@@ -126,6 +127,30 @@ impl<DB: Backend> Tenants<DB> {
     pub fn spawn_relay<P: Publisher>(&self, publisher: P, options: RelayOptions) -> Relay {
         let inboxes: Vec<Inbox<DB>> = self.inboxes.values().cloned().collect();
         crate::outbox::spawn_relay_of(&inboxes, publisher, options)
+    }
+
+    /// Starts one purger for every tenant: every `options.interval` it purges the tenants one
+    /// after another, as [`Inbox::spawn_purger`] purges one (each tenant's retention is its
+    /// inbox's, and an instance purging a tenant's tables makes the others skip that tenant). A
+    /// tenant whose purge fails is logged and tried again next time; the others are purged all the
+    /// same. The tenants added afterwards are not purged.
+    pub fn spawn_purger(&self, options: PurgerOptions) -> Purger {
+        let tenants = self.clone();
+        retention::spawn(options, "every tenant's".to_owned(), move |batch, pause| {
+            let tenants = tenants.clone();
+            Box::pin(async move {
+                let mut total = PurgeReport::default();
+                for (tenant, inbox) in tenants.iter() {
+                    match inbox.purge(batch, pause).await {
+                        Ok(report) => total.add(&report),
+                        Err(error) => {
+                            tracing::warn!(tenant, table = %inbox.table(), %error, "a tenant's purge failed; trying again later");
+                        }
+                    }
+                }
+                Ok(total)
+            })
+        })
     }
 }
 

@@ -494,3 +494,50 @@ async fn one_relay_serves_quiet_tenants_beside_a_busy_one() {
         "the quiet tenants waited behind the busy one: their last message went out at {last_quiet} of {total}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_purger_purges_every_tenant_past_a_broken_one() {
+    let id = uuid::Uuid::new_v4().simple().to_string();
+    let home = format!("home_{id}");
+    let (pool, admin) = pools_at_home(&home, 4).await;
+    // First in the tenants' order, and its schema was never made: its purge fails each time.
+    let broken = format!("a_broken_{id}");
+    let names: Vec<String> = (0..4).map(|n| format!("p{n}_{id}")).collect();
+    for schema in names.iter().chain([&home]) {
+        create_schema(&admin, schema).await;
+    }
+    let retained = Inbox::new(pool.clone()).with_retention(Duration::from_millis(1));
+    let tenants = Tenants::by_schema(&retained, names.iter().map(String::as_str))
+        .unwrap()
+        .with(&broken, retained.clone().with_schema(&broken).unwrap());
+    for name in &names {
+        let inbox = tenants.inbox(name).unwrap();
+        inbox.migrate().await.unwrap();
+        process(name, inbox, TENANT_MESSAGES).await;
+    }
+    let broken_purge = tenants.inbox(&broken).unwrap().purge_expired(100).await;
+    assert!(broken_purge.is_err(), "the broken tenant purged: {broken_purge:?}");
+    let purger = tenants.spawn_purger(idempotent::PurgerOptions::every(Duration::from_millis(50)));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut left = Vec::new();
+    loop {
+        left.clear();
+        for name in &names {
+            left.push(count_in(&admin, &format!("{name}.idempotent_inbox")).await);
+        }
+        if left.iter().all(|rows| *rows == 0) || Instant::now() > deadline {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    purger.stop();
+    assert!(
+        left.iter().all(|rows| *rows == 0),
+        "rows left in the tenants' inboxes: {left:?}"
+    );
+    assert_eq!(
+        count_in(&admin, &format!("{}.effects", names[0])).await,
+        TENANT_MESSAGES as i64,
+        "the purge took the tenant's own rows"
+    );
+}

@@ -26,7 +26,12 @@ impl<DB: Backend> Inbox<DB> {
         self.purge(batch_size, Duration::ZERO).await
     }
 
-    async fn purge(&self, batch_size: usize, pause: Duration) -> Result<PurgeReport, InboxError> {
+    /// One purge, with `pause` between its batches.
+    pub(crate) async fn purge(
+        &self,
+        batch_size: usize,
+        pause: Duration,
+    ) -> Result<PurgeReport, InboxError> {
         let source = Source {
             keeps: false,
             ..self.source()
@@ -57,9 +62,13 @@ impl<DB: Backend> Inbox<DB> {
     /// dropped.
     pub fn spawn_purger(&self, options: PurgerOptions) -> Purger {
         let inbox = self.clone();
-        retention::spawn(options, self.config.table.clone(), move |batch, pause| {
-            let inbox = inbox.clone();
-            Box::pin(async move { inbox.purge(batch, pause).await })
-        })
+        retention::spawn(
+            options,
+            self.config.table.to_string(),
+            move |batch, pause| {
+                let inbox = inbox.clone();
+                Box::pin(async move { inbox.purge(batch, pause).await })
+            },
+        )
     }
 }
