@@ -516,7 +516,10 @@ async fn one_purger_purges_every_tenant_past_a_broken_one() {
         process(name, inbox, TENANT_MESSAGES).await;
     }
     let broken_purge = tenants.inbox(&broken).unwrap().purge_expired(100).await;
-    assert!(broken_purge.is_err(), "the broken tenant purged: {broken_purge:?}");
+    assert!(
+        broken_purge.is_err(),
+        "the broken tenant purged: {broken_purge:?}"
+    );
     let purger = tenants.spawn_purger(idempotent::PurgerOptions::every(Duration::from_millis(50)));
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut left = Vec::new();
