@@ -14,7 +14,11 @@ use sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::{AssertSqlSafe, ConnectOptions, MySql, Postgres};
 
-const CREATE_EFFECTS: &str = "CREATE TABLE effects (consumer TEXT NOT NULL, label TEXT NOT NULL)";
+#[path = "../support/mod.rs"]
+mod support;
+
+use support::CREATE_EFFECTS;
+use support::postgres::create_schema_with_effects as create_schema;
 
 fn pg_options() -> PgConnectOptions {
     std::env::var("IDEMPOTENT_PG_URL")
@@ -34,17 +38,6 @@ async fn admin() -> PgPool {
         .connect_with(pg_options())
         .await
         .unwrap()
-}
-
-/// Creates `schema` with an `effects` table.
-async fn create_schema(admin: &PgPool, schema: &str) {
-    sqlx::raw_sql(AssertSqlSafe(format!(
-        "CREATE SCHEMA {schema}; {}",
-        CREATE_EFFECTS.replace("effects", &format!("{schema}.effects"))
-    )))
-    .execute(admin)
-    .await
-    .unwrap();
 }
 
 /// A home schema (migrated, with `effects`), tenants' schemas (with `effects`, not migrated), and

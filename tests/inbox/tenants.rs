@@ -270,17 +270,6 @@ async fn pools_at_home(home: &str, connections: u32) -> (sqlx::PgPool, sqlx::PgP
     (pool, admin)
 }
 
-/// Creates `schema` with an `effects` table in it.
-async fn create_schema(admin: &sqlx::PgPool, schema: &str) {
-    sqlx::raw_sql(AssertSqlSafe(format!(
-        "CREATE SCHEMA {schema}; {}",
-        CREATE_EFFECTS.replace("effects", &format!("{schema}.effects"))
-    )))
-    .execute(admin)
-    .await
-    .unwrap();
-}
-
 async fn count_in(admin: &sqlx::PgPool, table: &str) -> i64 {
     sqlx::query_scalar(AssertSqlSafe(format!("SELECT COUNT(*) FROM {table}")))
         .fetch_one(admin)
@@ -315,7 +304,7 @@ async fn a_hundred_tenants_in_schemas_share_one_pool_and_one_relay() {
     // Fewer connections than tenants: they are shared.
     let (pool, admin) = pools_at_home(&home, 8).await;
     for schema in names.iter().chain([&home]) {
-        create_schema(&admin, schema).await;
+        support::postgres::create_schema_with_effects(&admin, schema).await;
     }
     Inbox::new(pool.clone()).migrate().await.unwrap();
 
@@ -423,7 +412,7 @@ async fn one_relay_serves_quiet_tenants_beside_a_busy_one() {
         .collect();
     let (pool, admin) = pools_at_home(&home, 4).await;
     for schema in quiet.iter().chain([&busy, &home]) {
-        create_schema(&admin, schema).await;
+        support::postgres::create_schema_with_effects(&admin, schema).await;
     }
     let tenants = Tenants::by_schema(
         &Inbox::new(pool.clone()),
@@ -504,7 +493,7 @@ async fn one_purger_purges_every_tenant_past_a_broken_one() {
     let broken = format!("a_broken_{id}");
     let names: Vec<String> = (0..4).map(|n| format!("p{n}_{id}")).collect();
     for schema in names.iter().chain([&home]) {
-        create_schema(&admin, schema).await;
+        support::postgres::create_schema_with_effects(&admin, schema).await;
     }
     let retained = Inbox::new(pool.clone()).with_retention(Duration::from_millis(1));
     let tenants = Tenants::by_schema(&retained, names.iter().map(String::as_str))

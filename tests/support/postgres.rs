@@ -23,6 +23,17 @@ pub fn url() -> String {
     )
 }
 
+/// Creates `schema`, with an `effects` table in it, on `admin`'s database.
+pub async fn create_schema_with_effects(admin: &PgPool, schema: &str) {
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "CREATE SCHEMA {schema}; {}",
+        CREATE_EFFECTS.replace("effects", &format!("{schema}.effects"))
+    )))
+    .execute(admin)
+    .await
+    .unwrap();
+}
+
 pub struct PgHarness {
     pub inbox: Inbox<Postgres>,
     pub impatient: Inbox<Postgres>,
