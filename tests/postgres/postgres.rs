@@ -332,12 +332,26 @@ async fn relays_that_only_listen_are_woken_after_every_commit_of_a_burst() {
 /// from: rows inserted after it fit in the space it freed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_space_a_purge_frees_is_reused_by_the_next_inserts() {
-    use support::Harness;
-
-    let h = PgHarness::new().await;
+    // A database of its own: a `VACUUM` frees no row that a transaction of its database may still
+    // see, and the other tests' transactions are in theirs.
+    let options: sqlx::postgres::PgConnectOptions =
+        support::postgres::url().parse().expect("IDEMPOTENT_PG_URL");
+    let database = format!("purge_space_{}", uuid::Uuid::new_v4().simple());
+    let admin = sqlx::PgPool::connect_with(options.clone()).await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {database}")))
+        .execute(&admin)
+        .await
+        .unwrap();
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .connect_with(options.database(&database))
+        .await
+        .unwrap();
+    let inbox = idempotent::Inbox::new(pool.clone());
+    inbox.migrate().await.unwrap();
     let size = async || -> i64 {
         sqlx::query_scalar("SELECT pg_relation_size('idempotent_inbox')")
-            .fetch_one(&h.pool)
+            .fetch_one(&pool)
             .await
             .unwrap()
     };
@@ -348,16 +362,23 @@ async fn the_space_a_purge_frees_is_reused_by_the_next_inserts() {
              FROM generate_series($1, $1 + 19999) g"
         )))
         .bind(from)
-        .execute(&h.pool)
+        .execute(&pool)
         .await
         .unwrap();
     };
     insert(0, "30 days").await;
     let filled = size().await;
-    let report = h.inbox().purge_expired(1000).await.unwrap();
+    let report = inbox.purge_expired(1000).await.unwrap();
     assert_eq!(report.deleted, 20_000);
     insert(1_000_000, "0 days").await;
     let after = size().await;
+    pool.close().await;
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "DROP DATABASE {database} WITH (FORCE)"
+    )))
+    .execute(&admin)
+    .await
+    .unwrap();
     assert!(
         after <= filled + filled / 10,
         "the table grew from {filled} to {after} bytes: the purged rows' space was not reused"
