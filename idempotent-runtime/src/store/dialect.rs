@@ -74,6 +74,10 @@ pub(crate) struct OutboxDialect {
     /// commit. Otherwise (MySQL, MariaDB: no `UPDATE … RETURNING`) it locks them with a `SELECT`
     /// and marks the confirmed ones afterwards.
     pub(crate) mark_on_take: bool,
+    /// The relay finds each ordering key's head by skipping from key to key through the
+    /// `(ordering_key, ordering_seq)` index, one probe a key (PostgreSQL's `LATERAL`), rather than
+    /// by grouping every unsent keyed row.
+    pub(crate) key_skip_scan: bool,
 }
 
 /// Numbers placeholders as the dialect wants them.

@@ -124,6 +124,7 @@ impl Store for MySql {
             next_seq: " ON DUPLICATE KEY UPDATE last_seq = last_seq + 1, updated_at = VALUES(updated_at)",
             notify: None,
             mark_on_take: false,
+            key_skip_scan: false,
         },
     };
 

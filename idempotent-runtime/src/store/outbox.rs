@@ -247,14 +247,35 @@ impl OutboxStatements {
         // Each key's head (its row with the lowest number among the `candidates`), of the keys
         // whose head is pending and due: a key in back-off takes no slot from one that is ready,
         // and a key whose head is parked (when parked rows are candidates) none at all.
+        // Keys are taken oldest head first: a head is its key's first row among the candidates,
+        // by number and by id alike (a key's rows are numbered in the order they are written).
         let heads = |candidates: &str| {
+            let limit = p().next();
+            if dialect.outbox.key_skip_scan {
+                // From key to key through the index: one probe a key, not a read of every row.
+                let first = |after: &str| {
+                    format!(
+                        "SELECT ordering_key, ordering_seq FROM {o} WHERE {candidates} \
+                         AND ordering_key IS NOT NULL{after} \
+                         ORDER BY ordering_key, ordering_seq LIMIT 1"
+                    )
+                };
+                return format!(
+                    "WITH RECURSIVE m AS (({}) UNION ALL SELECT n.ordering_key, n.ordering_seq \
+                     FROM m, LATERAL ({}) n) \
+                     SELECT h.ordering_key, h.ordering_seq FROM m JOIN {o} h \
+                     ON h.ordering_key = m.ordering_key AND h.ordering_seq = m.ordering_seq \
+                     WHERE h.state = {PENDING} AND h.due_at <= {now} ORDER BY h.id LIMIT {limit}",
+                    first(""),
+                    first(" AND ordering_key > m.ordering_key"),
+                );
+            }
             format!(
                 "SELECT h.ordering_key, h.ordering_seq FROM {o} h JOIN \
                  (SELECT ordering_key, MIN(ordering_seq) AS seq, MIN(id) AS first FROM {o} \
                  WHERE {candidates} AND ordering_key IS NOT NULL GROUP BY ordering_key) m \
                  ON h.ordering_key = m.ordering_key AND h.ordering_seq = m.seq \
-                 WHERE h.state = {PENDING} AND h.due_at <= {now} ORDER BY m.first LIMIT {}",
-                p().next()
+                 WHERE h.state = {PENDING} AND h.due_at <= {now} ORDER BY m.first LIMIT {limit}"
             )
         };
         let heads_held = heads(&unsent("state"));
@@ -982,6 +1003,7 @@ mod tests {
                 next_seq: " ON CONFLICT (ordering_key) DO UPDATE SET last_seq = {k}.last_seq + 1, updated_at = {now}",
                 notify: Some("SELECT pg_notify('{c}', '')"),
                 mark_on_take: true,
+                key_skip_scan: true,
             },
         }
     }
@@ -1086,11 +1108,11 @@ mod tests {
         let s = OutboxStatements::new(&dialect(), &table);
         assert!(
             s.heads
-                .contains("WHERE state = 0 AND ordering_key IS NOT NULL GROUP BY")
+                .contains("WHERE state = 0 AND ordering_key IS NOT NULL ORDER BY")
         );
         assert!(
             s.heads_held
-                .contains("WHERE state <> 1 AND state <> 3 AND ordering_key IS NOT NULL GROUP BY")
+                .contains("WHERE state <> 1 AND state <> 3 AND ordering_key IS NOT NULL ORDER BY")
         );
         // Either way only a pending head is taken.
         for heads in [&s.heads, &s.heads_held] {

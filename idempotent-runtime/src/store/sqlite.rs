@@ -125,6 +125,7 @@ impl Store for Sqlite {
                 SET last_seq = last_seq + 1, updated_at = {now}",
             notify: None,
             mark_on_take: true,
+            key_skip_scan: false,
         },
     };
 

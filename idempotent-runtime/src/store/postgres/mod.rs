@@ -130,6 +130,7 @@ impl Store for Postgres {
                 SET last_seq = {k}.last_seq + 1, updated_at = {now}",
             notify: Some("SELECT pg_notify('{c}', '')"),
             mark_on_take: true,
+            key_skip_scan: true,
         },
     };
 
