@@ -165,7 +165,7 @@ impl Inbox<sqlx::Postgres> {
     /// # Ok(()) }
     /// ```
     pub fn with_schema(self, schema: &str) -> Result<Self, InboxError> {
-        let table = TableName::new(self.config.table.as_str())?.in_schema(schema)?;
+        let table = self.config.table.clone().in_schema(schema)?;
         Ok(self.in_tables(table))
     }
 
