@@ -534,6 +534,7 @@ macro_rules! conformance_tests {
             migrate_refuses_a_schema_newer_than_the_library
             rolled_back_body_leaves_no_outgoing_row
             committed_body_leaves_exactly_its_rows
+            body_with_outgoing_messages_that_ends_its_transaction_is_never_processed
             rerun_after_rollback_yields_the_same_ids
             outgoing_rows_commit_with_the_callers_own_transaction
             unusable_outgoing_message_fails_the_handler_and_commits_nothing

@@ -14,10 +14,10 @@ use idempotent::outbox::{
     Destination, Outbox, OutboxState, OutgoingMessage, Publication, PublishError, Publisher,
     RelayOptions, RelayReport, RelayStats,
 };
-use idempotent::{Backend, Error, Inbox, InboxError, message_key};
+use idempotent::{Backend, Error, Handled, Inbox, InboxError, message_key};
 
 use super::run_until_pending;
-use crate::support::{Behaviour, Delivery, Harness, Outgoing};
+use crate::support::{Behaviour, Delivery, Harness, Outgoing, Step};
 
 /// A broker that records every publication, checks that no message and no ordering key is ever in
 /// flight twice at once, takes `delay` to confirm, and refuses what `refuses` says.
@@ -260,6 +260,78 @@ pub async fn committed_body_leaves_exactly_its_rows(h: impl Harness) {
             == 0
     );
     assert_eq!(recorder.published.lock().unwrap().len(), 3);
+}
+
+/// A body that queues outgoing messages and then ends the inbox's transaction itself (`ROLLBACK`,
+/// `COMMIT`, `COMMIT` then `BEGIN`), or swallows a failed statement: never `Processed` (but for a
+/// swallowed failure where the transaction survives it, with everything committed), however many
+/// messages it queued and whether they have an ordering key; an error other than
+/// `TransactionEnded` only with nothing committed. (On PostgreSQL the last
+/// outgoing row's `INSERT` is what proves the transaction before the commit, in place of a read of
+/// its own: a row written outside the inbox's transaction must prove nothing.) A redelivery then
+/// finds what the error said.
+pub async fn body_with_outgoing_messages_that_ends_its_transaction_is_never_processed(
+    h: impl Harness,
+) {
+    let endings: [(&str, &[&'static str]); 4] = [
+        ("rollback", &["ROLLBACK"]),
+        ("commit", &["COMMIT"]),
+        ("commit-begin", &["COMMIT", "BEGIN"]),
+        ("swallowed", &["INSERT INTO uniques (id) VALUES (1)"]),
+    ];
+    for (ending, end) in endings {
+        for (count, keyed) in [(1, false), (2, false), (1, true)] {
+            let label = format!("sends-{ending}-{count}-{keyed}");
+            let mut steps = vec![Step::Effect("before")];
+            steps.extend(end.iter().map(|sql| Step::Sql(sql)));
+            steps.push(Step::Effect("after"));
+            let outgoing = Outgoing {
+                count,
+                ordering_key: keyed.then(|| format!("key-{label}")),
+                ..Outgoing::default()
+            };
+            let msg = Delivery::new(&label)
+                .behaving(Behaviour::Script(steps))
+                .sending(outgoing.clone());
+            let outcome = h.deliver_notifier(&msg).await;
+            let processed = h.inbox().is_processed("notifier", &label).await.unwrap();
+            let ids = outgoing.ids.lock().unwrap().clone();
+            let rows = h.outbox_rows().await;
+            let written = rows.iter().filter(|row| ids.contains(&row.0)).count();
+            let facts =
+                format!("{label}: {outcome:?}; key committed: {processed}, rows: {written}");
+            let key_committed = match outcome {
+                Err(Error::Inbox(InboxError::TransactionEnded { key_committed, .. })) => {
+                    assert_eq!(key_committed, processed, "{facts}");
+                    key_committed
+                }
+                // A swallowed failure: the transaction survives it (MySQL, SQLite) and commits
+                // whole.
+                Ok(Handled::Processed(())) if ending == "swallowed" => {
+                    assert!(processed && written == count, "{facts}");
+                    true
+                }
+                // Any other error (the outgoing row's insert refused in an aborted transaction,
+                // or after the end where later writes are refused): nothing committed, so that
+                // the redelivery runs the body again.
+                Err(error)
+                    if !matches!(error, Error::Inbox(InboxError::TransactionEnded { .. })) =>
+                {
+                    assert!(!processed && written == 0, "{facts}");
+                    false
+                }
+                other => panic!("{facts}: a body that ended its transaction, reported {other:?}"),
+            };
+            let retry = h
+                .deliver_notifier(&Delivery::new(&label).sending(outgoing))
+                .await;
+            match retry {
+                Ok(Handled::Duplicate { .. }) => assert!(key_committed, "{facts}"),
+                Ok(Handled::Processed(())) => assert!(!key_committed, "{facts}"),
+                other => panic!("{facts}: the redelivery failed: {other:?}"),
+            }
+        }
+    }
 }
 
 pub async fn rerun_after_rollback_yields_the_same_ids(h: impl Harness) {

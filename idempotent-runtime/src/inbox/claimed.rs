@@ -146,7 +146,14 @@ impl<DB: Backend> Claimed<DB> {
         let written =
             outgoing::write::<DB>(tx.connection(), &config.statements.outbox, &outbox).await;
         let committed = match written {
-            Ok(()) => commit(tx, Some(claim)).await,
+            Ok(proved) => {
+                // The last row written proved the transaction: the commit needs no read of
+                // its own.
+                if proved {
+                    tx.proved();
+                }
+                commit(tx, Some(claim)).await
+            }
             Err(error) => {
                 // Nothing of the message is committed: its redelivery queues the messages again.
                 let _ = tx.rollback().await;

@@ -311,19 +311,22 @@ pub(crate) fn decode_headers(stored: Option<&[u8]>) -> Vec<(String, String)> {
 /// Writes `outbox`'s messages to the outbox table on `conn`, in the transaction open there: the
 /// messages without an ordering key in their order, then those with one, by key (so that two
 /// transactions take their keys' locks in the same order and never deadlock over them), each key's
-/// in their order. Whoever commits the transaction wakes the relays.
+/// in their order. Whoever commits the transaction wakes the relays. `true` when the last row's
+/// statement proved the transaction the one the inbox began, with nothing failed in it (on
+/// PostgreSQL; see [`Store::commit_proven`](crate::store::Store::commit_proven)).
 pub(crate) async fn write<DB: Backend>(
     conn: &mut DB::Connection,
     statements: &OutboxStatements,
     outbox: &Outbox,
-) -> Result<(), InboxError> {
+) -> Result<bool, InboxError> {
     if outbox.is_empty() {
-        return Ok(());
+        return Ok(false);
     }
     outbox.check()?;
     let mut order: Vec<&(String, OutgoingMessage)> = outbox.queued.iter().collect();
     order.sort_by(|a, b| a.1.ordering_key.cmp(&b.1.ordering_key)); // stable: `None` first
     let failed = || database_error(Stage::Outbox);
+    let mut proved = false;
     for (id, message) in order {
         let headers = encode_headers(&message.headers);
         let row = NewRow {
@@ -335,11 +338,11 @@ pub(crate) async fn write<DB: Backend>(
             origin: &outbox.origin,
             ordering_key: message.ordering_key.as_deref(),
         };
-        DB::outbox_insert(conn, statements, row)
+        proved = DB::outbox_insert(conn, statements, row)
             .await
             .map_err(failed())?;
     }
-    Ok(())
+    Ok(proved)
 }
 
 /// A UUID (version 8, RFC 9562) made of the SHA-256 of `domain`, then `names`, `key` and

@@ -150,8 +150,11 @@ pub struct OutboxStatements {
     table: String,
     /// The relays' columns of a row, with the clock last.
     taken: String,
+    /// Inserts a row; where the dialect has a condition that proves the inbox's transaction
+    /// ([`Dialect::own_transaction`]), returns its value.
     insert: Arc<str>,
     next_seq: Arc<str>,
+    /// [`insert`](Self::insert), of a row with an ordering key.
     insert_keyed: Arc<str>,
     notify: Option<Arc<str>>,
     /// Writers send [`notify`](Self::notify) (unless turned off: relays that only poll).
@@ -201,9 +204,17 @@ impl OutboxStatements {
             let binds: Vec<String> = (0..6).map(|_| p.next()).collect();
             format!("{}, {PENDING}, 0, {now}, {now}", binds.join(", "))
         };
+        // Where a condition proves the inbox's transaction, each insert returns it: the row that
+        // was written last before the commit then proves the transaction.
+        let proof = dialect
+            .own_transaction
+            .map_or_else(String::new, |own| format!(" RETURNING {own}"));
         let insert = {
             let mut p = p();
-            format!("INSERT INTO {o} ({columns}) VALUES ({})", values(&mut p))
+            format!(
+                "INSERT INTO {o} ({columns}) VALUES ({}){proof}",
+                values(&mut p)
+            )
         };
         let next_seq = {
             let mut p = p();
@@ -219,7 +230,7 @@ impl OutboxStatements {
             let key = p.next();
             format!(
                 "INSERT INTO {o} ({columns}, ordering_key, ordering_seq) \
-                 SELECT {values}, ordering_key, last_seq FROM {k} WHERE ordering_key = {key}"
+                 SELECT {values}, ordering_key, last_seq FROM {k} WHERE ordering_key = {key}{proof}"
             )
         };
         // Without the schema: the tenants' inboxes in schemas of one database share their
@@ -531,12 +542,14 @@ pub struct Failure<'a> {
 
 /// The outbox's statements, run; implemented once for every backend.
 pub trait OutboxQueries: Database {
-    /// Writes `row` in the open transaction, with its ordering key's next number if it has one.
+    /// Writes `row` in the open transaction, with its ordering key's next number if it has one;
+    /// `true` when its statement proved the transaction the one the inbox began, with nothing
+    /// failed in it (see [`Store::commit_proven`](crate::store::Store::commit_proven)).
     fn outbox_insert<'a>(
         conn: &'a mut Self::Connection,
         statements: &'a OutboxStatements,
         row: NewRow<'a>,
-    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a;
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send + 'a;
 
     /// Wakes the relays: at once on a connection outside a transaction, at the commit in one.
     /// Nothing where the database cannot, or writers do not.
@@ -648,6 +661,7 @@ where
     for<'q> i64: Encode<'q, DB> + Type<DB>,
     for<'r> Option<i64>: Decode<'r, DB>,
     for<'r> i64: Decode<'r, DB>,
+    for<'r> Option<bool>: Decode<'r, DB> + Type<DB>,
     for<'r> String: Decode<'r, DB> + Type<DB>,
     usize: sqlx::ColumnIndex<DB::Row>,
     for<'r> TakenRow: sqlx::FromRow<'r, DB::Row>,
@@ -659,7 +673,7 @@ where
         conn: &mut DB::Connection,
         statements: &OutboxStatements,
         row: NewRow<'_>,
-    ) -> Result<(), sqlx::Error> {
+    ) -> Result<bool, sqlx::Error> {
         let sql = match row.ordering_key {
             Some(key) => {
                 statements
@@ -682,8 +696,15 @@ where
         if let Some(key) = row.ordering_key {
             query = query.bind(key);
         }
-        query.execute(conn).await?;
-        Ok(())
+        if statements.dialect.own_transaction.is_none() {
+            query.execute(conn).await?;
+            return Ok(false);
+        }
+        let proof = query.fetch_optional(conn).await?;
+        Ok(match proof {
+            Some(row) => sqlx::Row::try_get::<Option<bool>, _>(&row, 0)?.unwrap_or(false),
+            None => false,
+        })
     }
 
     async fn outbox_notify(
