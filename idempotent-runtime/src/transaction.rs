@@ -170,11 +170,23 @@ impl<DB: Backend> InboxTransaction<DB> {
         with: Resources<'_, DB>,
         begin: &'static str,
     ) -> Result<Self, BeginError> {
+        Self::begin_then(with, begin, None).await
+    }
+
+    /// [`begin_as`](Self::begin_as), with `then` sent in the same message after the `BEGIN`.
+    async fn begin_then(
+        with: Resources<'_, DB>,
+        begin: &'static str,
+        then: Option<&str>,
+    ) -> Result<Self, BeginError> {
         let session = Session::take(with.source)
             .await
             .map_err(BeginError::Acquire)?;
         let turn = take_turn(with.writers).await;
         let mut tx = Self::begin_on(session, turn, begin, with.begin_suffix).await?;
+        if let Some(then) = then {
+            tx.begin.push_str(then);
+        }
         tx.open().await.map_err(BeginError::Begin)?;
         Ok(tx)
     }
@@ -299,7 +311,7 @@ impl<DB: Backend> InboxTransaction<DB> {
         with: Resources<'_, DB>,
         claim: &C,
     ) -> Result<(Self, Result<C::Found, sqlx::Error>), BeginError> {
-        let mut tx = Self::begin(with).await?;
+        let mut tx = Self::begin_then(with, DB::BEGIN, claim.with_begin().as_deref()).await?;
         let found = tx.claim_in(claim).await;
         Ok((tx, found))
     }
@@ -411,6 +423,11 @@ impl<DB: Backend> InboxTransaction<DB> {
 pub(crate) trait ClaimStatement<DB: Backend>: Sync {
     /// What the claim found.
     type Found;
+
+    /// What the claim sends in the message of its transaction's `BEGIN`, after it, if anything.
+    fn with_begin(&self) -> Option<String> {
+        None
+    }
 
     /// Runs the statement on `conn`.
     fn run<'c>(

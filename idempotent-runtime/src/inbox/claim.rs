@@ -145,10 +145,8 @@ impl<DB: Backend> Inbox<DB> {
     }
 }
 
-/// Reads the committed row of `key` on `session`, and checks it against `fingerprint`, the one
-/// place a duplicate's fingerprint is compared: `None` when there is no row; else the response
-/// stored with it, if any. A row stored with another fingerprint is counted and logged, and is
-/// [`InboxError::FingerprintMismatch`].
+/// Reads the committed row of `key` on `session`, and checks it against `fingerprint`
+/// ([`duplicate_response`]): `None` when there is no row.
 pub(super) async fn read_duplicate<DB: Backend>(
     session: &mut Session<DB>,
     statements: &Statements,
@@ -161,14 +159,23 @@ pub(super) async fn read_duplicate<DB: Backend>(
         .try_step(|conn| DB::stored(conn, &statements.inbox, consumer, key.as_bytes()))
         .await
         .map_err(database_error(Stage::Inspect))?;
-    let Some(StoredRow {
-        response,
-        fingerprint: stored,
-    }) = row
-    else {
+    let Some(row) = row else {
         return Ok(None);
     };
-    if let (Some(ours), Some(theirs)) = (fingerprint, stored.as_deref())
+    duplicate_response(row, metrics, consumer, key, fingerprint).map(Some)
+}
+
+/// The response stored with a duplicate's `row`, if any, checked against `fingerprint`: the one
+/// place a duplicate's fingerprint is compared. A row stored with another fingerprint is counted
+/// and logged, and is [`InboxError::FingerprintMismatch`].
+pub(super) fn duplicate_response(
+    row: StoredRow,
+    metrics: &Metrics,
+    consumer: &str,
+    key: &MessageKey,
+    fingerprint: Option<&[u8]>,
+) -> Result<Option<Vec<u8>>, InboxError> {
+    if let (Some(ours), Some(theirs)) = (fingerprint, row.fingerprint.as_deref())
         && ours != theirs
     {
         metrics.message(consumer, Outcome::FingerprintMismatch, 1);
@@ -178,5 +185,5 @@ pub(super) async fn read_duplicate<DB: Backend>(
             key: key.clone(),
         });
     }
-    Ok(Some(response))
+    Ok(row.response)
 }

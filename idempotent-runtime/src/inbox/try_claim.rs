@@ -6,14 +6,14 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::claim::read_duplicate;
+use super::claim::{duplicate_response, read_duplicate};
 use super::{Claimed, Config, Inbox, commit};
 use crate::error::{InboxError, Stage};
 use crate::key::MessageKey;
 use crate::metrics::Metrics;
 use crate::session::Session;
 use crate::store::try_claim::{Attempt, HttpBackend};
-use crate::store::{Statements, database_error};
+use crate::store::{Statements, StoredRow, database_error};
 use crate::transaction::{BeginError, ClaimStatement, InboxTransaction};
 
 /// What a claim that does not wait found.
@@ -36,11 +36,14 @@ pub(crate) struct KeyCommitted<DB: HttpBackend> {
     metrics: Arc<Metrics>,
     consumer: Box<str>,
     key: MessageKey,
+    /// The key's row, when the claim read it.
+    row: Option<StoredRow>,
 }
 
 impl<DB: HttpBackend> KeyCommitted<DB> {
-    /// Rolls the transaction back and reads the key's row on its connection, checking it against
-    /// `fingerprint` (see [`Inbox::stored_response`]).
+    /// Rolls the transaction back and checks the key's row against `fingerprint` (see
+    /// [`Inbox::stored_response`]): the row the claim read, or else the row read now on the
+    /// transaction's connection.
     pub(crate) async fn stored_response(
         self,
         fingerprint: &[u8],
@@ -50,6 +53,11 @@ impl<DB: HttpBackend> KeyCommitted<DB> {
             .rollback()
             .await
             .map_err(database_error(Stage::Claim))?;
+        if let Some(row) = self.row {
+            let (metrics, consumer) = (&self.metrics, &self.consumer);
+            return duplicate_response(row, metrics, consumer, &self.key, Some(fingerprint))
+                .map(Some);
+        }
         read_duplicate(
             &mut session,
             &self.config.statements,
@@ -101,6 +109,10 @@ struct TryInsertKey<'a> {
 impl<DB: HttpBackend> ClaimStatement<DB> for TryInsertKey<'_> {
     type Found = Attempt;
 
+    fn with_begin(&self) -> Option<String> {
+        DB::begin_claim(self.statements, self.consumer, self.key)
+    }
+
     fn run<'c>(
         &'c self,
         conn: &'c mut DB::Connection,
@@ -143,12 +155,13 @@ impl<DB: HttpBackend> Inbox<DB> {
             })?;
         Ok(match attempt {
             Ok(Attempt::Claimed) => TryClaimed::New(Claimed::new(tx, consumer, key.clone(), self)),
-            Ok(Attempt::Committed) => TryClaimed::Committed(KeyCommitted {
+            Ok(Attempt::Committed(row)) => TryClaimed::Committed(KeyCommitted {
                 tx,
                 config: self.config.clone(),
                 metrics: self.metrics.clone(),
                 consumer: consumer.into(),
                 key: key.clone(),
+                row,
             }),
             Ok(Attempt::InFlight) => {
                 let _ = tx.rollback().await;

@@ -72,7 +72,7 @@ pub struct CallStatements {
     extend: Arc<str>,
     /// The rest of a pending call's live lease, in milliseconds; no row when it has none (the
     /// HTTP layer's claim, which must not run while a leased route holds the key).
-    pending: Arc<str>,
+    pub(crate) pending: Arc<str>,
     /// Pending calls whose lease expired, of one consumer or every one: [`StuckRow`]s.
     stuck: Arc<str>,
     /// Sent as behind a pooler in transaction mode: see [`Statements::pooled`].

@@ -3,23 +3,27 @@
 //! right for a broker; an HTTP client must get `409 Conflict` at once instead.
 //!
 //! - **PostgreSQL**: the claim takes a transaction-level advisory lock on a 64-bit digest of
-//!   (table, consumer, key) with `pg_try_advisory_xact_lock`, which never waits, and inserts the
-//!   key only when it got the lock, in one statement. Every HTTP claim of a key takes its lock
-//!   before it inserts and holds it until its transaction ends, so a claim that gets the lock
-//!   cannot meet an uncommitted insert of the same key (from the HTTP layer), and one that does not
-//!   get it knows a claim is in flight. Nothing fails and nothing is logged on the server, unlike a
-//!   short `lock_timeout`, which would abort the statement with an `ERROR` (the statement and its
-//!   key in the server's log), and whose length would be a guess. Two different keys share a lock
-//!   only if 64 bits of SHA-256 collide; the only cost would be a needless `409`.
+//!   (table, consumer, key) with `pg_try_advisory_xact_lock`, which never waits, in the message of
+//!   its `BEGIN` (no round trip of its own), and keeps whether it got it in a setting of the
+//!   transaction. Its one statement then reads the key's committed row and inserts the key only
+//!   when it got the lock and found no row. Every HTTP claim of a key takes its lock before it
+//!   inserts and holds it until its transaction ends, so a claim that gets the lock cannot meet an
+//!   uncommitted insert of the same key (from the HTTP layer), and one that does not get it knows a
+//!   claim is in flight. Nothing fails and nothing is logged on the server, unlike a short
+//!   `lock_timeout`, which would abort the statement with an `ERROR` (the statement and its key in
+//!   the server's log), and whose length would be a guess. Two different keys share a lock only if
+//!   64 bits of SHA-256 collide; the only cost would be a needless `409`. A retry's claim finds
+//!   the stored response in the same statement: a replay reads nothing more.
 //! - **SQLite**: the transaction already holds the database's write lock (`BEGIN IMMEDIATE`), so no
 //!   other claim can be in flight and the inbox's `INSERT OR IGNORE` cannot wait. What waits is the
 //!   `BEGIN IMMEDIATE`, for whichever writer holds the lock; the HTTP layer keeps twins of its own
 //!   process from getting there (see [`http`](crate::http)).
 //!
 //! A transactional route and a leased route may share a consumer, and so a key: each kind must see
-//! the other's claim in flight. The claim above, once it inserted the key, looks for a pending call
-//! of the key with a live lease (a leased route's request in flight) in a statement of its own
-//! (whose snapshot is taken after the lock was), and answers in flight when it finds one.
+//! the other's claim in flight. The claim above looks for a pending call of the key with a live
+//! lease (a leased route's request in flight), in a snapshot taken after the lock was (on
+//! PostgreSQL the claim's statement, which follows the lock's; on SQLite a statement after the
+//! insert), and answers in flight when it finds one.
 //! A leased route records its call ([`call_gate`](sealed::ClaimWithoutWaiting::call_gate)) in a
 //! transaction that first takes the same advisory lock on PostgreSQL, without waiting: a call is
 //! never recorded while a transactional claim of its key is uncommitted, and a transactional
@@ -31,19 +35,19 @@
 
 use std::future::Future;
 
-use super::{Backend, CallGate, CallId, Statements};
+use super::{Backend, CallGate, CallId, Statements, StoredRow};
 
 /// What a claim that does not wait found.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug)]
 pub enum Attempt {
     /// The key is ours, in the open transaction.
     Claimed,
-    /// The key was committed before.
-    Committed,
+    /// The key was committed before: its row, when the claim's statement read it.
+    Committed(Option<StoredRow>),
     /// Another transaction is claiming the key and has not ended.
     InFlight,
     /// The key was free, but a leased route's request holds it: its pending call has this much
-    /// of its lease left. (The open transaction inserted the key: roll it back.)
+    /// of its lease left. (The open transaction may have inserted the key: roll it back.)
     CallPending(std::time::Duration),
 }
 
@@ -65,6 +69,10 @@ pub(crate) mod sealed {
         /// Look for a committed row before beginning the transaction: where beginning one waits
         /// for every other writer (SQLite), a replay should not.
         const READ_FIRST: bool;
+
+        /// What the claim adds to the message of its transaction's `BEGIN`, if anything (run
+        /// before [`try_insert_key`](Self::try_insert_key)'s statement, in the transaction).
+        fn begin_claim(statements: &Statements, consumer: &str, key: &[u8]) -> Option<String>;
 
         /// Inserts `(consumer, key, fingerprint)` in the open transaction unless the key is there
         /// or being claimed, without waiting for another transaction. A prepared statement, like
@@ -102,17 +110,31 @@ mod postgres {
     use sqlx::{AssertSqlSafe, Postgres};
 
     use super::{
-        Attempt, CallGate, CallId, HttpBackend, Statements, sealed::ClaimWithoutWaiting,
+        Attempt, CallGate, HttpBackend, Statements, StoredRow, sealed::ClaimWithoutWaiting,
         unless_pending,
     };
-    use crate::store::{CallQueries, QueryBuilder};
+    use crate::store::QueryBuilder;
 
-    /// The lock is taken (once: the CTE is referenced twice, so it is materialized) and the key
-    /// inserted only if it was; the row says which happened.
-    const TRY_CLAIM: &str = "WITH lock AS (SELECT pg_try_advisory_xact_lock($4) AS taken), \
+    /// What the claim adds to its transaction's `BEGIN` message: the key's advisory lock, taken
+    /// without waiting, and whether it was taken, kept in a setting of the transaction. Taken in a
+    /// statement before the claim's, so that the claim's snapshot sees whatever was committed
+    /// under the lock before (a response stored for the key, a leased route's call recorded).
+    const LOCK: &str = "; SELECT set_config('idempotent.http_lock', pg_try_advisory_xact_lock({lock})::text, true)";
+
+    /// With the lock taken, in one statement: the key's committed row if there is one, a leased
+    /// route's call of the key with a live lease ({pending}: `$1`, `$2`, `$3`), and the key
+    /// inserted unless either is there. The row says which happened. (Every part reads the
+    /// statement's snapshot: the inserted row is not in `stored`.)
+    const TRY_CLAIM: &str = "WITH lock AS (SELECT current_setting('idempotent.http_lock', true) = 'true' AS taken), \
+         stored AS (SELECT fingerprint, response FROM {t} WHERE consumer = $1 AND message_key = $2), \
+         pending AS ({pending}), \
          claim AS (INSERT INTO {t} (consumer, message_key, fingerprint) \
-                   SELECT $1, $2, $3 FROM lock WHERE taken ON CONFLICT DO NOTHING RETURNING 1) \
-         SELECT (SELECT taken FROM lock), EXISTS (SELECT 1 FROM claim)";
+                   SELECT $1, $2, $4 FROM lock \
+                   WHERE taken AND NOT EXISTS (SELECT 1 FROM pending) \
+                   ON CONFLICT DO NOTHING RETURNING 1) \
+         SELECT (SELECT taken FROM lock), EXISTS (SELECT 1 FROM claim), (SELECT * FROM pending), \
+                EXISTS (SELECT 1 FROM stored), (SELECT fingerprint FROM stored), \
+                (SELECT response FROM stored)";
 
     /// The advisory lock of a key: 64 bits of the SHA-256 of the table, the consumer and the key,
     /// each length-prefixed.
@@ -138,6 +160,11 @@ mod postgres {
     impl ClaimWithoutWaiting for Postgres {
         const READ_FIRST: bool = false;
 
+        fn begin_claim(statements: &Statements, consumer: &str, key: &[u8]) -> Option<String> {
+            let lock = lock_of(statements, consumer, key);
+            Some(LOCK.replace("{lock}", &lock.to_string()))
+        }
+
         async fn try_insert_key(
             conn: &mut PgConnection,
             statements: &Statements,
@@ -146,28 +173,40 @@ mod postgres {
             fingerprint: &[u8],
             call: &str,
         ) -> Result<Attempt, sqlx::Error> {
-            let (taken, inserted): (bool, bool) = statements
+            type Found = (
+                bool,
+                bool,
+                Option<i64>,
+                bool,
+                Option<Vec<u8>>,
+                Option<Vec<u8>>,
+            );
+            let sql = statements
                 .inbox
-                .query_as(AssertSqlSafe(statements.inbox.table_sql(TRY_CLAIM)))
+                .table_sql(TRY_CLAIM)
+                .replace("{pending}", &statements.calls.pending);
+            let (taken, inserted, pending, found, stored_fingerprint, response): Found = statements
+                .inbox
+                .query_as(AssertSqlSafe(sql))
                 .bind(consumer)
                 .bind(key)
+                .bind(call)
                 .bind(fingerprint)
-                .bind(lock_of(statements, consumer, key))
                 .fetch_one(&mut *conn)
                 .await?;
             Ok(match (taken, inserted) {
                 (false, _) => Attempt::InFlight,
-                (true, false) => Attempt::Committed,
-                (true, true) => {
-                    // A statement of its own: its snapshot sees every call recorded before the
-                    // lock was taken.
-                    let id = CallId {
-                        consumer,
-                        key,
-                        name: call,
-                    };
-                    unless_pending(Self::call_pending(conn, &statements.calls, id).await?)
-                }
+                (true, true) => Attempt::Claimed,
+                // Committed under the lock before (or by a claim that waits, which this insert
+                // waited for: then after this statement's snapshot, and read on its own).
+                (true, false) if found => Attempt::Committed(Some(StoredRow {
+                    response,
+                    fingerprint: stored_fingerprint,
+                })),
+                (true, false) => match unless_pending(pending) {
+                    Attempt::Claimed => Attempt::Committed(None),
+                    pending => pending,
+                },
             })
         }
 
@@ -204,6 +243,10 @@ mod sqlite {
     impl ClaimWithoutWaiting for Sqlite {
         const READ_FIRST: bool = true;
 
+        fn begin_claim(_statements: &Statements, _consumer: &str, _key: &[u8]) -> Option<String> {
+            None
+        }
+
         async fn try_insert_key(
             conn: &mut SqliteConnection,
             statements: &Statements,
@@ -217,7 +260,7 @@ mod sqlite {
             let inserted =
                 Self::insert_key(conn, &statements.inbox, consumer, key, Some(fingerprint)).await?;
             if !inserted {
-                return Ok(Attempt::Committed);
+                return Ok(Attempt::Committed(None));
             }
             let id = CallId {
                 consumer,
