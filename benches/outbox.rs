@@ -216,6 +216,59 @@ async fn rabbitmq_limit_window(channel: &Channel, queue: &str, count: usize, win
     rate(count, start.elapsed())
 }
 
+/// RabbitMQ alone, the limit of the commit-to-publish latency: `count` persistent, mandatory
+/// messages with ids, published by `workers` tasks at the common pace of one every `every` (as
+/// [`latency`]'s handlers commit), on one channel; from each publication to its confirmation,
+/// sorted.
+async fn rabbitmq_latency(
+    channel: &Channel,
+    queue: &str,
+    count: usize,
+    workers: usize,
+    every: Duration,
+) -> Vec<Duration> {
+    let tasks: Vec<_> = (0..workers)
+        .map(|worker| {
+            let (channel, queue) = (channel.clone(), queue.to_owned());
+            tokio::spawn(async move {
+                tokio::time::sleep(every * worker as u32).await;
+                let mut ticks = tokio::time::interval(every * workers as u32);
+                let mut latencies = Vec::new();
+                for i in (worker..count).step_by(workers) {
+                    ticks.tick().await;
+                    let properties = BasicProperties::default()
+                        .with_message_id(uuid::Uuid::new_v4().to_string().into())
+                        .with_delivery_mode(2);
+                    let start = Instant::now();
+                    channel
+                        .basic_publish(
+                            "".into(),
+                            queue.as_str().into(),
+                            BasicPublishOptions {
+                                mandatory: true,
+                                ..BasicPublishOptions::default()
+                            },
+                            &payload(i),
+                            properties,
+                        )
+                        .await
+                        .unwrap()
+                        .await
+                        .unwrap();
+                    latencies.push(start.elapsed());
+                }
+                latencies
+            })
+        })
+        .collect();
+    let mut latencies = Vec::with_capacity(count);
+    for task in tasks {
+        latencies.extend(task.await.unwrap());
+    }
+    latencies.sort();
+    latencies
+}
+
 /// The outbox's publisher on its own, without the database: `count` publications, at most
 /// [`WINDOW`] at once.
 async fn publisher_alone<P: Publisher>(
@@ -873,6 +926,12 @@ async fn main() {
                 Duration::from_millis(1),
             ),
             (
+                "LISTEN/NOTIFY after the commit, a relay of 4 workers, 8 workers at 1,000/s",
+                (RelayOptions::default().workers(4), Notifying::AfterCommit),
+                8,
+                Duration::from_millis(1),
+            ),
+            (
                 "LISTEN/NOTIFY in the transaction (as before), 8 workers at 1,000/s",
                 (RelayOptions::default(), Notifying::InTransaction),
                 8,
@@ -901,6 +960,23 @@ async fn main() {
         ] {
             let count = 1000 * workers;
             let sorted = latency(&inbox, &queue, options, count, workers, every).await;
+            latencies.push((label, sorted));
+            purge(&channel, &queue).await;
+        }
+        // The limit: RabbitMQ alone, from publication to confirmation at the same paces.
+        for (label, workers, every) in [
+            (
+                "RabbitMQ alone, publish to confirm (the limit), 1 publisher at 100/s",
+                1,
+                Duration::from_millis(10),
+            ),
+            (
+                "RabbitMQ alone, publish to confirm (the limit), 8 publishers at 1,000/s",
+                8,
+                Duration::from_millis(1),
+            ),
+        ] {
+            let sorted = rabbitmq_latency(&channel, &queue, 1000 * workers, workers, every).await;
             latencies.push((label, sorted));
             purge(&channel, &queue).await;
         }

@@ -14,8 +14,10 @@
 //! (`COMMIT`, `ROLLBACK`) and perhaps began another. Either way the inbox rolls back what is open
 //! and reports it; it never reports such a message as processed. That read is one round trip,
 //! saved where the inbox's own last statement proved the mark: the stored response's `UPDATE`
-//! changes the row only while the mark is set, and nothing runs between it and the commit but the
-//! inbox's own statements.
+//! changes the row only while the mark is set, each outgoing row's `INSERT` returns the mark
+//! (`RETURNING current_setting(…)`; a row written after the body ended the transaction is written
+//! as before, and proves nothing), and nothing runs between the last of them and the commit but
+//! the inbox's own statements.
 //!
 //! [`Inbox::with_pipelined_claim`](crate::Inbox::with_pipelined_claim) sends the claim in the same
 //! message as the `BEGIN` instead, `BEGIN; SET LOCAL …; EXECUTE idempotent_claim_…(…)`, which saves
