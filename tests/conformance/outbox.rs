@@ -265,8 +265,10 @@ pub async fn committed_body_leaves_exactly_its_rows(h: impl Harness) {
 /// A body that queues outgoing messages and then ends the inbox's transaction itself (`ROLLBACK`,
 /// `COMMIT`, `COMMIT` then `BEGIN`), or swallows a failed statement: never `Processed` (but for a
 /// swallowed failure where the transaction survives it, with everything committed), however many
-/// messages it queued and whether they have an ordering key; an error other than
-/// `TransactionEnded` only with nothing committed. (On PostgreSQL the last
+/// messages it queued and whether they have an ordering key. An ended transaction is
+/// `TransactionEnded` whatever became of the rows written after the end (written on their own,
+/// refused, or lost to a pooler in transaction mode); a swallowed failure's other error comes only
+/// with nothing committed. (On PostgreSQL the last
 /// outgoing row's `INSERT` is what proves the transaction before the commit, in place of a read of
 /// its own: a row written outside the inbox's transaction must prove nothing.) A redelivery then
 /// finds what the error said.
@@ -311,11 +313,12 @@ pub async fn body_with_outgoing_messages_that_ends_its_transaction_is_never_proc
                     assert!(processed && written == count, "{facts}");
                     true
                 }
-                // Any other error (the outgoing row's insert refused in an aborted transaction,
-                // or after the end where later writes are refused): nothing committed, so that
-                // the redelivery runs the body again.
+                // Any other error, for a swallowed failure only (the outgoing row's insert
+                // refused in the aborted transaction): nothing committed, so that the redelivery
+                // runs the body again.
                 Err(error)
-                    if !matches!(error, Error::Inbox(InboxError::TransactionEnded { .. })) =>
+                    if ending == "swallowed"
+                        && !matches!(error, Error::Inbox(InboxError::TransactionEnded { .. })) =>
                 {
                     assert!(!processed && written == 0, "{facts}");
                     false

@@ -154,11 +154,18 @@ impl<DB: Backend> Claimed<DB> {
                 }
                 commit(tx, Some(claim)).await
             }
-            Err(error) => {
+            Err(error) => match tx.rollback_checked().await {
+                // The body had ended the transaction itself (and behind a pooler in transaction
+                // mode the rows written after that can fail): said as the commit would.
+                Ok((
+                    RolledBack::Replaced {
+                        later_writes_refused,
+                    },
+                    session,
+                )) => Err(ended_by_body(session, Some(claim), later_writes_refused).await),
                 // Nothing of the message is committed: its redelivery queues the messages again.
-                let _ = tx.rollback().await;
-                Err(error)
-            }
+                Ok((RolledBack::Own, _)) | Err(_) => Err(error),
+            },
         };
         match &committed {
             Ok(()) => {
