@@ -237,13 +237,22 @@ impl<DB: Backend> InboxTransaction<DB> {
             Err(Pipeline::Failed(error)) if DB::lost_statement(&error) => {}
             outcome => return outcome,
         }
-        // This session has not prepared the claim: a new connection, or a `DEALLOCATE`. A body's
-        // `DEALLOCATE ALL` took the driver's statements too: forget them, or every later body
-        // statement sqlx had cached fails on this connection (the claim no longer tells).
-        self.session
-            .try_step(DB::forget_statements)
+        // This session has not prepared the claim: a new connection, another inbox's (a tenant's)
+        // first claim on it, or a `DEALLOCATE`. A body's `DEALLOCATE ALL` took the driver's
+        // statements too: forget them, or every later body statement sqlx had cached fails on
+        // this connection (the claim no longer tells). It took every inbox's claim with them;
+        // while one is left, the driver's statements are there too, and are kept.
+        let lost_all = self
+            .session
+            .try_step(DB::lost_pipelined_claims)
             .await
             .map_err(Pipeline::Failed)?;
+        if lost_all {
+            self.session
+                .try_step(DB::forget_statements)
+                .await
+                .map_err(Pipeline::Failed)?;
+        }
         let prepared = self
             .session
             .try_step(|conn| async {

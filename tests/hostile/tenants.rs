@@ -744,6 +744,46 @@ async fn a_body_moving_the_search_path_misroutes_no_later_tenant() {
     s.assert_home_untouched().await;
 }
 
+/// Tenants with pipelined claims on one connection: a tenant's first claim there, which finds its
+/// prepared claim missing (the session never prepared it), keeps the driver's cached statements
+/// (forgetting them would cost every cached statement a new preparation, once per connection and
+/// tenant); a `DEALLOCATE ALL`, which takes them all, still has them forgotten (the test above).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenants_first_pipelined_claim_on_a_connection_keeps_the_drivers_statements() {
+    let s = Setup::new(6, 1).await;
+    let tenants = s.tenants(&Inbox::new(s.pool.clone()).with_pipelined_claim());
+    tenants.migrate().await.unwrap();
+    let mut cached = Vec::new();
+    for (n, name) in s.names.iter().enumerate() {
+        let inbox = tenants.inbox(name).unwrap();
+        let mut claimed = inbox.claim("orders", "k").await.unwrap().unwrap();
+        let conn = claimed.connection();
+        let before = sqlx::Connection::cached_statements_size(&*conn);
+        // A statement of this tenant's body, cached by the driver (one more each tenant).
+        let sql = format!("INSERT INTO effects (consumer, label) SELECT 'orders', 'k' || {n}");
+        sqlx::query(AssertSqlSafe(sql))
+            .execute(&mut *conn)
+            .await
+            .unwrap();
+        cached.push((before, sqlx::Connection::cached_statements_size(&*conn)));
+        claimed.commit().await.unwrap();
+    }
+    // Each tenant's first claim found the statements cached by the tenants before it.
+    for (n, window) in cached.windows(2).enumerate() {
+        let ((_, after), (before, _)) = (window[0], window[1]);
+        assert!(
+            before >= after,
+            "tenant {}'s first claim forgot the driver's statements: {cached:?}",
+            n + 1
+        );
+    }
+    assert!(cached.last().unwrap().1 >= s.names.len(), "{cached:?}");
+    for name in &s.names {
+        assert_eq!(s.count(&format!("{name}.effects")).await, 1, "{name}");
+    }
+    s.assert_home_untouched().await;
+}
+
 // ---------------------------------------------------------------------------------------------
 // 8. The longest names; 9. with_table and with_schema in either order.
 

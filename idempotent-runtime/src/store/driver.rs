@@ -110,6 +110,15 @@ pub trait Store: sqlx::Database + Sized {
         async { Ok(()) }
     }
 
+    /// Whether `conn`'s session holds none of the pipelined claims of any inbox: it is new, or a
+    /// `DEALLOCATE ALL` took them, and the driver's statements with them. (A session that only
+    /// never prepared this inbox's claim holds another's, or is new.)
+    fn lost_pipelined_claims(
+        _conn: &mut Self::Connection,
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send {
+        async { Ok(true) }
+    }
+
     /// Commits the open transaction if it is still the one the inbox began and nothing in it
     /// failed; otherwise rolls back what is open, and says which. An `Err` leaves the outcome
     /// unknown.

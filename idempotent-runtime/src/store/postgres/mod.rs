@@ -179,6 +179,17 @@ impl Store for Postgres {
         Ok(())
     }
 
+    async fn lost_pipelined_claims(conn: &mut PgConnection) -> Result<bool, sqlx::Error> {
+        // Unprepared: after a `DEALLOCATE ALL` the driver's cached statements are stale.
+        let row = sqlx::raw_sql(
+            "SELECT NOT EXISTS (SELECT 1 FROM pg_prepared_statements \
+             WHERE name LIKE 'idempotent\\_claim\\_%')",
+        )
+        .fetch_one(&mut *conn)
+        .await?;
+        row.try_get::<bool, _>(0)
+    }
+
     async fn commit(conn: &mut PgConnection, _state: &()) -> Result<Ending, sqlx::Error> {
         let ending = match mark(conn).await? {
             Mark::Set => {
