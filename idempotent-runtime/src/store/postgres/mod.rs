@@ -24,7 +24,11 @@
 //! a round trip: a committed duplicate then makes that insert fail with a unique violation, which
 //! is how the inbox learns it. The price: the server writes each such unique violation to its log
 //! (at `ERROR`, with the statement, and so the key's hex), leaves a dead row version for `VACUUM`,
-//! and logs one `prepared statement does not exist` per new session before it prepares the claim.
+//! and logs one `prepared statement does not exist` per new session (per session and tenant, for
+//! tenants in schemas) before it prepares the claim. A body's `DEALLOCATE ALL` takes the claims
+//! and sqlx's own statements: the claim that finds the session holding no inbox's claim at all
+//! forgets sqlx's statement cache before it prepares again (a session that only never prepared
+//! this tenant's claim keeps it).
 //! Behind a pooler in transaction mode (PgBouncer), which does not keep a session's prepared
 //! statements, it falls back to the quiet claim message by message, and an inbox made
 //! [`with_transaction_pooling`](crate::Inbox::with_transaction_pooling) sends the quiet claim
