@@ -263,6 +263,167 @@ async fn http_routes_of_two_tenants_write_store_and_replay_in_their_own_schemas(
     server.abort();
 }
 
+/// One transactional layer and one leased layer serve four tenants, each request on the inbox of
+/// the tenant its `x-tenant` header names. The same key sent at once for every tenant, five
+/// times each: one run per tenant (its effect in its own schema, its replays its own), the others
+/// `409` or the replay. No tenant, an empty one or a tenant not served: `400` with its code,
+/// nothing written anywhere. The purger the layer hands out purges every tenant.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_layer_serves_each_request_on_its_tenants_inbox() {
+    use axum::Router;
+    use axum::http::StatusCode;
+    use axum::routing::post;
+
+    let s = Setup::new(4, 4).await;
+    let tenants = s.tenants(&Inbox::new(s.pool.clone()));
+    tenants.migrate().await.unwrap();
+    async fn pay(mut tx: IdempotentTx<Postgres>, body: String) -> (StatusCode, String) {
+        // Slow enough that the twins meet the first in flight.
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        sqlx::query("INSERT INTO effects (consumer, label) VALUES ('http', $1)")
+            .bind(&body)
+            .execute(tx.connection())
+            .await
+            .unwrap();
+        let path: String = sqlx::query_scalar("SELECT current_setting('search_path')")
+            .fetch_one(tx.connection())
+            .await
+            .unwrap();
+        (StatusCode::CREATED, format!("{body} in {path}"))
+    }
+    let runs = std::sync::Arc::new(std::sync::Mutex::new(HashMap::<String, usize>::new()));
+    let header = |parts: &axum::http::request::Parts, name: &str| {
+        parts.headers.get(name)?.to_str().ok().map(str::to_owned)
+    };
+    let scope = |_: &axum::http::request::Parts| Some("client".to_owned());
+    let transactional = IdempotencyLayer::transactional(Inbox::new(s.pool.clone()), scope)
+        .by_tenant(tenants.clone(), move |parts| header(parts, "x-tenant"));
+    let leased =
+        IdempotencyLayer::leased(Inbox::new(s.pool.clone()), scope, Duration::from_secs(30))
+            .unwrap()
+            .consumer("http-leased")
+            .unwrap()
+            .by_tenant(tenants.clone(), move |parts| header(parts, "x-tenant"));
+    let counted = runs.clone();
+    let email = move |body: String| {
+        let runs = counted.clone();
+        async move {
+            *runs.lock().unwrap().entry(body.clone()).or_default() += 1;
+            (StatusCode::OK, format!("sent {body}"))
+        }
+    };
+    let router = Router::new()
+        .route("/pay", post(pay).layer(transactional.clone()))
+        .route("/email", post(email).layer(leased));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
+    let client = reqwest::Client::new();
+    let send = async |path: &str, tenant: Option<&str>, key: &str, body: &str| {
+        let mut request = client
+            .post(format!("http://{addr}{path}"))
+            .header("idempotency-key", key)
+            .body(body.to_owned());
+        if let Some(tenant) = tenant {
+            request = request.header("x-tenant", tenant);
+        }
+        let response = request.send().await.unwrap();
+        let replayed = response.headers().get(REPLAYED).is_some();
+        let status = response.status().as_u16();
+        (status, replayed, response.text().await.unwrap())
+    };
+    // The same key for every tenant, five twins each, all at once.
+    let twins = s.names.iter().flat_map(|name| {
+        (0..5).map(move |_| async move { (name, send("/pay", Some(name), "same", name).await) })
+    });
+    let answers = futures::future::join_all(twins).await;
+    for name in &s.names {
+        let mine: Vec<_> = answers
+            .iter()
+            .filter(|(n, _)| *n == name)
+            .map(|(_, a)| a)
+            .collect();
+        let ran: Vec<_> = mine.iter().filter(|a| a.0 == 201 && !a.1).collect();
+        assert_eq!(ran.len(), 1, "{name}: one run: {mine:?}");
+        assert!(
+            ran[0].2.ends_with(&format!("in {name}"))
+                || ran[0].2.ends_with(&format!("in \"{name}\"")),
+            "{name}: the handler's search_path: {mine:?}"
+        );
+        for answer in &mine {
+            match answer.0 {
+                201 => assert_eq!(
+                    answer.2, ran[0].2,
+                    "{name}: a replay of another's: {mine:?}"
+                ),
+                409 => assert!(answer.2.contains("idempotency_key_in_use"), "{answer:?}"),
+                _ => panic!("{name}: {mine:?}"),
+            }
+        }
+        let again = send("/pay", Some(name), "same", name).await;
+        assert_eq!(
+            (again.0, again.1, &again.2),
+            (201, true, &ran[0].2),
+            "{name}"
+        );
+        // The leased route's handler runs once per tenant too.
+        let first = send("/email", Some(name), "mail", name).await;
+        let second = send("/email", Some(name), "mail", name).await;
+        assert_eq!(
+            (first.0, first.1, second.0, second.1),
+            (200, false, 200, true),
+            "{name}"
+        );
+    }
+    for name in &s.names {
+        assert_eq!(runs.lock().unwrap()[name], 1, "{name}: leased runs");
+        assert_eq!(
+            labels(&s.admin, name).await,
+            std::slice::from_ref(name),
+            "{name}"
+        );
+        assert_eq!(
+            s.count(&format!("{name}.idempotent_inbox")).await,
+            2,
+            "{name}"
+        );
+    }
+    // Requests no tenant of this layer's: refused before anything is written.
+    for (tenant, code) in [
+        (None, "tenant_missing"),
+        (Some(""), "tenant_missing"),
+        (Some("nobody"), "tenant_unknown"),
+        (Some(s.home.as_str()), "tenant_unknown"),
+    ] {
+        let refused = send("/pay", tenant, "other", "x").await;
+        assert_eq!(refused.0, 400, "{tenant:?}: {refused:?}");
+        assert!(refused.2.contains(code), "{tenant:?}: {refused:?}");
+    }
+    for name in &s.names {
+        assert_eq!(
+            s.count(&format!("{name}.idempotent_inbox")).await,
+            2,
+            "{name}"
+        );
+    }
+    s.assert_home_untouched().await;
+    // The layer's tenants keep its rows for its retention: a purge after it removes them all.
+    let layer = transactional.retention(Duration::from_millis(1));
+    let served = layer.tenants().expect("the layer serves tenants");
+    assert_eq!(served.len(), s.names.len());
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    for (name, inbox) in served.iter() {
+        let purged = inbox.purge_expired(500).await.unwrap();
+        assert!(purged.deleted >= 1, "{name}: {purged:?}");
+        assert_eq!(
+            s.count(&format!("{name}.idempotent_inbox")).await,
+            1,
+            "{name}: the leased row stays"
+        );
+    }
+    server.abort();
+}
+
 // ---------------------------------------------------------------------------------------------
 // 2. Batch claims and calls in a tenant's schema.
 

@@ -9,11 +9,12 @@ use http::header::HeaderName;
 use http::request::Parts;
 
 use super::fingerprint::Fingerprint;
-use super::problem::Documentation;
+use super::problem::{Documentation, Rejection};
 use super::request_key::DEFAULT_MAX_KEY_LEN;
 use super::stored::{DEFAULT_STORED_HEADERS, stored_by_default};
 use crate::inbox::Inbox;
 use crate::store::try_claim::HttpBackend;
+use crate::tenants::Tenants;
 
 /// The consumer name of a layer's inbox rows unless configured otherwise.
 pub const DEFAULT_CONSUMER: &str = "http";
@@ -34,6 +35,9 @@ pub const DEFAULT_MAX_STORED_BODY: usize = 256 * 1024;
 
 /// Names the client a request comes from, given its head: the scope of its keys.
 pub(crate) type ScopeFn = dyn Fn(&Parts) -> Option<String> + Send + Sync;
+
+/// Names the tenant a request belongs to, given its head.
+pub(crate) type TenantFn = dyn Fn(&Parts) -> Option<String> + Send + Sync;
 
 /// Says whether a response with this status is stored.
 pub(crate) type StoreWhenFn = dyn Fn(StatusCode) -> bool + Send + Sync;
@@ -98,7 +102,29 @@ pub(crate) struct LayerState<DB: HttpBackend> {
     base: Inbox<DB>,
     /// The inbox with the layer's retention for its consumer.
     pub(crate) inbox: Inbox<DB>,
+    /// The tenants' inboxes, when each request is served on its tenant's.
+    by_tenant: Option<ByTenant<DB>>,
     pub(crate) config: Config,
+}
+
+/// The tenants of a layer that serves each request on its tenant's inbox.
+struct ByTenant<DB: HttpBackend> {
+    /// As given.
+    base: Tenants<DB>,
+    /// Each with the layer's retention for its consumer.
+    tenants: Tenants<DB>,
+    /// Names a request's tenant.
+    tenant: Arc<TenantFn>,
+}
+
+impl<DB: HttpBackend> Clone for ByTenant<DB> {
+    fn clone(&self) -> Self {
+        Self {
+            base: self.base.clone(),
+            tenants: self.tenants.clone(),
+            tenant: self.tenant.clone(),
+        }
+    }
 }
 
 impl<DB: HttpBackend> Clone for LayerState<DB> {
@@ -106,6 +132,7 @@ impl<DB: HttpBackend> Clone for LayerState<DB> {
         Self {
             base: self.base.clone(),
             inbox: self.inbox.clone(),
+            by_tenant: self.by_tenant.clone(),
             config: self.config.clone(),
         }
     }
@@ -116,22 +143,68 @@ impl<DB: HttpBackend> LayerState<DB> {
     /// for the configured retention.
     pub(crate) fn new(inbox: Inbox<DB>, config: Config) -> Self {
         Self {
-            inbox: inbox
-                .clone()
-                .with_consumer_retention(&config.consumer, config.retention),
+            inbox: retained(&inbox, &config),
             base: inbox,
+            by_tenant: None,
             config,
         }
     }
 
-    /// Returns the same with `change` applied to the configuration (and the inbox's retention
+    /// Returns the same serving each request on the inbox of the tenant `tenant` names, of
+    /// `tenants`.
+    pub(crate) fn by_tenant(mut self, tenants: Tenants<DB>, tenant: Arc<TenantFn>) -> Self {
+        self.by_tenant = Some(ByTenant {
+            tenants: retained_tenants(&tenants, &self.config),
+            base: tenants,
+            tenant,
+        });
+        self
+    }
+
+    /// Returns the same with `change` applied to the configuration (and the inboxes' retention
     /// following it).
     pub(crate) fn reconfigured(mut self, change: impl FnOnce(&mut Config)) -> Self {
         change(&mut self.config);
-        self.inbox = self
-            .base
-            .clone()
-            .with_consumer_retention(&self.config.consumer, self.config.retention);
+        self.inbox = retained(&self.base, &self.config);
+        if let Some(by_tenant) = &mut self.by_tenant {
+            by_tenant.tenants = retained_tenants(&by_tenant.base, &self.config);
+        }
         self
     }
+
+    /// The inbox a request with this head is served on: its tenant's, if the layer serves
+    /// tenants.
+    pub(crate) fn inbox_for(&self, parts: &Parts) -> Result<&Inbox<DB>, Rejection> {
+        let Some(by_tenant) = &self.by_tenant else {
+            return Ok(&self.inbox);
+        };
+        let tenant = (by_tenant.tenant)(parts)
+            .filter(|tenant| !tenant.is_empty())
+            .ok_or(Rejection::NoTenant)?;
+        by_tenant
+            .tenants
+            .inbox(&tenant)
+            .map_err(|_| Rejection::UnknownTenant { tenant })
+    }
+
+    /// The tenants' inboxes with the layer's retention, if the layer serves tenants.
+    pub(crate) fn tenants(&self) -> Option<&Tenants<DB>> {
+        self.by_tenant.as_ref().map(|by_tenant| &by_tenant.tenants)
+    }
+}
+
+/// `inbox`, keeping the layer's rows for the configured retention.
+fn retained<DB: HttpBackend>(inbox: &Inbox<DB>, config: &Config) -> Inbox<DB> {
+    inbox
+        .clone()
+        .with_consumer_retention(&config.consumer, config.retention)
+}
+
+/// Each of `tenants`' inboxes [`retained`].
+fn retained_tenants<DB: HttpBackend>(tenants: &Tenants<DB>, config: &Config) -> Tenants<DB> {
+    tenants
+        .iter()
+        .fold(Tenants::new(), |retained, (name, inbox)| {
+            retained.with(name, self::retained(inbox, config))
+        })
 }

@@ -95,7 +95,10 @@ where
             .get(name)
             .and_then(|value| value.to_str().ok())
     });
-    let inbox = &shared.inbox;
+    let inbox = match shared.inbox_for(&parts) {
+        Ok(inbox) => inbox.clone(),
+        Err(rejection) => return Ok(reject(rejection)),
+    };
     let waits_until = config.wait_for_first.map(|patience| {
         // A patience past what an instant holds (`Duration::MAX`): as good as for ever.
         let now = Instant::now();
@@ -142,6 +145,7 @@ where
     let (answer, answered) = oneshot::channel();
     let run = Run {
         shared: shared.clone(),
+        inbox,
         key: stored_key,
         fingerprint,
         expires,
@@ -161,6 +165,8 @@ where
 /// A request whose key is in flight in this process, from its claim to its stored response.
 struct Run<DB: HttpBackend> {
     shared: Arc<LayerState<DB>>,
+    /// The inbox the request is served on (its tenant's, if the layer serves tenants).
+    inbox: Inbox<DB>,
     key: MessageKey,
     fingerprint: [u8; 32],
     /// The `Idempotency-Key-Expires` of the responses it stores.
@@ -226,7 +232,7 @@ impl<DB: HttpBackend> Run<DB> {
     }
 
     fn inbox(&self) -> &Inbox<DB> {
-        &self.shared.inbox
+        &self.inbox
     }
 
     fn consumer(&self) -> &str {
@@ -475,7 +481,7 @@ impl<DB: HttpBackend> Run<DB> {
             return Ok(Found::Replay(replay));
         }
         let shared = self.shared.clone();
-        let inbox = &shared.inbox;
+        let inbox = self.inbox.clone();
         // A request of another instance holds the key (or is storing its response): refused
         // with a read, without waiting for the database's writers.
         let left = inbox

@@ -8,7 +8,7 @@ use http::StatusCode;
 use http::header::HeaderName;
 use http::request::Parts;
 
-use super::config::{Config, LayerState, Mode, ScopeFn};
+use super::config::{Config, LayerState, Mode, ScopeFn, TenantFn};
 use super::fingerprint::Fingerprint;
 use super::problem::Documentation;
 use super::service::Idempotent;
@@ -16,6 +16,7 @@ use crate::calls::MAX_CALL_LEASE;
 use crate::error::InboxError;
 use crate::inbox::{Inbox, check_consumer};
 use crate::store::try_claim::HttpBackend;
+use crate::tenants::Tenants;
 
 /// A [`tower::Layer`] that makes the routes it wraps idempotent by `Idempotency-Key` header; see
 /// the [module docs](super) for what it answers when.
@@ -197,9 +198,54 @@ impl<DB: HttpBackend> IdempotencyLayer<DB> {
     /// Returns the inbox the layer stores responses in: the one it was made with, keeping the
     /// layer's rows for its [`retention`](Self::retention). Spawn the purger from this one
     /// (`layer.inbox().spawn_purger(…)`), or give yours the same retention for the layer's
-    /// consumer.
+    /// consumer. (A layer [`by_tenant`](Self::by_tenant) stores them in its
+    /// [`tenants`](Self::tenants)' inboxes instead.)
     pub fn inbox(&self) -> &Inbox<DB> {
         &self.shared.inbox
+    }
+
+    /// Serves each request on its tenant's inbox, of `tenants` (see [`Tenants`]): `tenant` names
+    /// the tenant from the request's head (a header, the host, the organization of the principal
+    /// an authentication layer put in the extensions). The request's key, effect and stored
+    /// response are then in that tenant's tables (its schema, its database), and a key of one
+    /// tenant is not another's: the same key sent for two tenants runs twice, once in each.
+    /// A request without a tenant (`None`, or an empty name) is `400` (`tenant_missing`), one for
+    /// a tenant that `tenants` does not hold `400` (`tenant_unknown`). The inbox the layer was
+    /// made with then serves no request; spawn the purgers from [`tenants`](Self::tenants).
+    ///
+    /// ```no_run
+    /// # use idempotent_runtime as idempotent;
+    /// # fn demo(pool: sqlx::PgPool) -> Result<(), idempotent::InboxError> {
+    /// use idempotent::Tenants;
+    /// use idempotent::http::IdempotencyLayer;
+    ///
+    /// let tenants = Tenants::by_schema(&idempotent::Inbox::new(pool.clone()), ["acme", "globex"])?;
+    /// let header = |parts: &http::request::Parts, name: &str| {
+    ///     parts.headers.get(name)?.to_str().ok().map(str::to_owned)
+    /// };
+    /// let layer = IdempotencyLayer::transactional(idempotent::Inbox::new(pool), move |parts| {
+    ///     header(parts, "x-client")
+    /// })
+    /// .by_tenant(tenants, move |parts| header(parts, "x-tenant"));
+    /// # let _ = layer;
+    /// # Ok(()) }
+    /// ```
+    pub fn by_tenant(
+        self,
+        tenants: Tenants<DB>,
+        tenant: impl Fn(&Parts) -> Option<String> + Send + Sync + 'static,
+    ) -> Self {
+        let tenant: Arc<TenantFn> = Arc::new(tenant);
+        Self {
+            shared: Arc::new(Arc::unwrap_or_clone(self.shared).by_tenant(tenants, tenant)),
+        }
+    }
+
+    /// Returns the tenants' inboxes a layer [`by_tenant`](Self::by_tenant) stores responses in,
+    /// each keeping the layer's rows for its [`retention`](Self::retention): spawn the purger from
+    /// these (`layer.tenants().unwrap().spawn_purger(…)`). `None` for a layer of one inbox.
+    pub fn tenants(&self) -> Option<&Tenants<DB>> {
+        self.shared.tenants()
     }
 }
 

@@ -29,6 +29,16 @@ pub enum Rejection {
     /// whose scope function does not allow that.)
     #[error("the request does not identify the client its Idempotency-Key belongs to")]
     NoScope,
+    /// The layer serves tenants ([`IdempotencyLayer::by_tenant`](super::IdempotencyLayer::by_tenant))
+    /// and its function found no tenant for the request: `400`.
+    #[error("the request does not say which tenant it belongs to")]
+    NoTenant,
+    /// The layer serves tenants and the request's tenant is not one of them: `400`.
+    #[error("the request's tenant {tenant:?} is not served here")]
+    UnknownTenant {
+        /// The tenant the request named.
+        tenant: String,
+    },
     /// The request body is longer than the route reads to fingerprint it: `413`.
     #[error("the request body is longer than the {limit} bytes this route accepts")]
     RequestTooLarge {
@@ -104,6 +114,8 @@ impl Rejection {
             Rejection::MissingKey
             | Rejection::InvalidKey(_)
             | Rejection::NoScope
+            | Rejection::NoTenant
+            | Rejection::UnknownTenant { .. }
             | Rejection::RequestBody(_) => StatusCode::BAD_REQUEST,
             Rejection::RequestTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Rejection::InFlight { .. } => StatusCode::CONFLICT,
@@ -127,6 +139,8 @@ impl Rejection {
             Rejection::MissingKey => "idempotency_key_missing",
             Rejection::InvalidKey(_) => "idempotency_key_invalid",
             Rejection::NoScope => "idempotency_scope_missing",
+            Rejection::NoTenant => "tenant_missing",
+            Rejection::UnknownTenant { .. } => "tenant_unknown",
             Rejection::RequestTooLarge { .. } => "request_too_large",
             Rejection::RequestBody(_) => "request_body_unreadable",
             Rejection::InFlight { .. } => "idempotency_key_in_use",
