@@ -240,14 +240,14 @@ impl<DB: Backend> InboxTransaction<DB> {
         // This session has not prepared the claim: a new connection, another inbox's (a tenant's)
         // first claim on it, or a `DEALLOCATE`. A body's `DEALLOCATE ALL` took the driver's
         // statements too: forget them, or every later body statement sqlx had cached fails on
-        // this connection (the claim no longer tells). It took every inbox's claim with them;
-        // while one is left, the driver's statements are there too, and are kept.
-        let lost_all = self
+        // this connection (the claim no longer tells). While the session holds them all, they
+        // are kept.
+        let lost = self
             .session
-            .try_step(DB::lost_pipelined_claims)
+            .try_step(DB::lost_driver_statements)
             .await
             .map_err(Pipeline::Failed)?;
-        if lost_all {
+        if lost {
             self.session
                 .try_step(DB::forget_statements)
                 .await

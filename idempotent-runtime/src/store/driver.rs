@@ -110,10 +110,11 @@ pub trait Store: sqlx::Database + Sized {
         async { Ok(()) }
     }
 
-    /// Whether `conn`'s session holds none of the pipelined claims of any inbox: it is new, or a
-    /// `DEALLOCATE ALL` took them, and the driver's statements with them. (A session that only
-    /// never prepared this inbox's claim holds another's, or is new.)
-    fn lost_pipelined_claims(
+    /// Whether `conn`'s session lost statements the driver prepared and still has in its cache (a
+    /// body's `DEALLOCATE ALL`, or a `DEALLOCATE` of one of them); then the cache must be
+    /// forgotten. A session that only never prepared this inbox's pipelined claim (a new
+    /// connection, another tenant's first claim on it) lost nothing.
+    fn lost_driver_statements(
         _conn: &mut Self::Connection,
     ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send {
         async { Ok(true) }

@@ -26,9 +26,9 @@
 //! (at `ERROR`, with the statement, and so the key's hex), leaves a dead row version for `VACUUM`,
 //! and logs one `prepared statement does not exist` per new session (per session and tenant, for
 //! tenants in schemas) before it prepares the claim. A body's `DEALLOCATE ALL` takes the claims
-//! and sqlx's own statements: the claim that finds the session holding no inbox's claim at all
-//! forgets sqlx's statement cache before it prepares again (a session that only never prepared
-//! this tenant's claim keeps it).
+//! and sqlx's own statements: the claim that finds its statement missing forgets sqlx's statement
+//! cache before it prepares again when the session holds fewer of sqlx's statements than the
+//! cache has (a session that only never prepared this tenant's claim keeps it).
 //! Behind a pooler in transaction mode (PgBouncer), which does not keep a session's prepared
 //! statements, it falls back to the quiet claim message by message, and an inbox made
 //! [`with_transaction_pooling`](crate::Inbox::with_transaction_pooling) sends the quiet claim
@@ -183,15 +183,21 @@ impl Store for Postgres {
         Ok(())
     }
 
-    async fn lost_pipelined_claims(conn: &mut PgConnection) -> Result<bool, sqlx::Error> {
-        // Unprepared: after a `DEALLOCATE ALL` the driver's cached statements are stale.
+    async fn lost_driver_statements(conn: &mut PgConnection) -> Result<bool, sqlx::Error> {
+        let cached = sqlx::Connection::cached_statements_size(&*conn);
+        if cached == 0 {
+            return Ok(false);
+        }
+        // Unprepared: after a `DEALLOCATE ALL` the driver's cached statements are stale. sqlx
+        // names its statements `sqlx_s_<n>`; the session holds every one the cache has unless
+        // some were taken.
         let row = sqlx::raw_sql(
-            "SELECT NOT EXISTS (SELECT 1 FROM pg_prepared_statements \
-             WHERE name LIKE 'idempotent\\_claim\\_%')",
+            "SELECT count(*) FROM pg_prepared_statements WHERE name LIKE 'sqlx\\_s\\_%'",
         )
         .fetch_one(&mut *conn)
         .await?;
-        row.try_get::<bool, _>(0)
+        let held = row.try_get::<i64, _>(0)?;
+        Ok(usize::try_from(held).map_or(true, |held| held < cached))
     }
 
     async fn commit(conn: &mut PgConnection, _state: &()) -> Result<Ending, sqlx::Error> {
