@@ -564,8 +564,6 @@ async fn http_handler_with_outgoing_messages_that_ends_its_transaction() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "fails: behind PgBouncer the response's store fails after the body's ROLLBACK and the \
-            layer answers 503 with the effect committed; the retry runs the handler again"]
 async fn http_handler_with_outgoing_messages_that_ends_its_transaction_through_pgbouncer() {
     http_outbox_then_ending(Via::Bouncer).await;
 }

@@ -320,8 +320,14 @@ impl<DB: HttpBackend> Run<DB> {
         };
         let stored = stored.encode();
         if let Err(error) = claimed.store_response(&stored).await {
-            claimed.rollback().await;
-            return Err(Rejection::Inbox(error));
+            // Behind a pooler in transaction mode, a handler's `ROLLBACK` or `COMMIT` makes the
+            // store fail rather than change nothing: found out as the commit finds it out.
+            return match claimed.rollback_after(error).await {
+                InboxError::TransactionEnded { key_committed, .. } => {
+                    Ok(self.transaction_ended(key_committed, &stored).await)
+                }
+                error => Err(Rejection::Inbox(error)),
+            };
         }
         match claimed.commit().await {
             Ok(()) => Ok((Outcome::Processed, Response::from_parts(head, body))),

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use serde::Serialize;
 
-use super::commit::{commit, ended_by_body};
+use super::commit::{commit, ended_by_body, rollback_after};
 use super::outgoing::{self, Outbox};
 use super::wakeups::Wakeups;
 use super::{Config, Handled, Inbox};
@@ -67,6 +67,23 @@ impl<DB: Backend> Claimed<DB> {
             self.tx.proved();
         }
         Ok(())
+    }
+
+    /// Rolls back after `error`, a failure of the stored response's statement, and returns the
+    /// error to report: [`InboxError::TransactionEnded`] when the body had ended the transaction
+    /// itself (see [`rollback_after`]).
+    #[cfg(feature = "http")]
+    pub(crate) async fn rollback_after(self, error: InboxError) -> InboxError {
+        let Self {
+            tx,
+            config,
+            metrics,
+            outbox,
+            ..
+        } = self;
+        let (consumer, key) = (outbox.origin(), outbox.key());
+        metrics.message(consumer, Outcome::RolledBack, 1);
+        rollback_after(tx, Some((&config.statements, consumer, key)), error).await
     }
 
     /// Whether the claimed key's row is gone from what this transaction sees: the handler rolled
@@ -154,18 +171,9 @@ impl<DB: Backend> Claimed<DB> {
                 }
                 commit(tx, Some(claim)).await
             }
-            Err(error) => match tx.rollback_checked().await {
-                // The body had ended the transaction itself (and behind a pooler in transaction
-                // mode the rows written after that can fail): said as the commit would.
-                Ok((
-                    RolledBack::Replaced {
-                        later_writes_refused,
-                    },
-                    session,
-                )) => Err(ended_by_body(session, Some(claim), later_writes_refused).await),
-                // Nothing of the message is committed: its redelivery queues the messages again.
-                Ok((RolledBack::Own, _)) | Err(_) => Err(error),
-            },
+            // Nothing of the message is committed, and its redelivery queues the messages again;
+            // unless the body had ended the transaction itself.
+            Err(error) => Err(rollback_after(tx, Some(claim), error).await),
         };
         match &committed {
             Ok(()) => {

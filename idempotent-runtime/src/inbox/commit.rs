@@ -5,7 +5,7 @@ use serde::de::DeserializeOwned;
 use crate::error::{InboxError, Stage};
 use crate::key::MessageKey;
 use crate::session::Session;
-use crate::store::{Backend, Ending, Statements, database_error};
+use crate::store::{Backend, Ending, RolledBack, Statements, database_error};
 use crate::transaction::InboxTransaction;
 
 /// Commits `tx`, or says why it did not: the error of every way a commit can end but committed.
@@ -26,6 +26,28 @@ pub(crate) async fn commit<DB: Backend>(
         )) => ended_by_body(session, claim, later_writes_refused).await,
         Ok((Ending::Refused(error), _)) | Err(error) => database_error(Stage::Commit)(error),
     })
+}
+
+/// Rolls `tx` back after `error`, one of the inbox's own statements failing before the commit (an
+/// outgoing row, the stored response), and returns the error to report: the one a commit would
+/// have reported ([`InboxError::TransactionEnded`], with whether `claim` committed) when the body
+/// had ended the transaction itself, and the statement failed outside it (refused where later
+/// writes are, lost behind a pooler in transaction mode); `error` otherwise, with nothing
+/// committed.
+pub(crate) async fn rollback_after<DB: Backend>(
+    tx: InboxTransaction<DB>,
+    claim: Option<(&Statements, &str, &MessageKey)>,
+    error: InboxError,
+) -> InboxError {
+    match tx.rollback_checked().await {
+        Ok((
+            RolledBack::Replaced {
+                later_writes_refused,
+            },
+            session,
+        )) => ended_by_body(session, claim, later_writes_refused).await,
+        Ok((RolledBack::Own, _)) | Err(_) => error,
+    }
 }
 
 /// The error for a transaction the body ended (its own `COMMIT` or `ROLLBACK`, a statement that
