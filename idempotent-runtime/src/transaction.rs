@@ -434,6 +434,7 @@ pub(crate) trait ClaimStatement<DB: Backend>: Sync {
     type Found;
 
     /// What the claim sends in the message of its transaction's `BEGIN`, after it, if anything.
+    #[cfg(feature = "http")]
     fn with_begin(&self) -> Option<String> {
         None
     }
