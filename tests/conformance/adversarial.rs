@@ -122,10 +122,16 @@ pub async fn body_that_ends_the_transaction_is_never_reported_processed(h: impl 
 /// the body once more; otherwise `TransactionEnded`, whose `key_committed` says what a redelivery
 /// will find. On the error path as on the success path.
 pub async fn body_that_ends_the_transaction_is_reported_truthfully_on_every_path(h: impl Harness) {
-    let endings: [(&str, &[&'static str]); 6] = [
+    let endings: [(&str, &[&'static str]); 7] = [
         ("rollback", &["ROLLBACK"]),
         ("commit", &["COMMIT"]),
         ("commit-begin", &["COMMIT", "BEGIN"]),
+        // A statement that fails in the transaction the body began: on PostgreSQL it aborts that
+        // one, which then cannot say whose it was.
+        (
+            "commit-begin-fail",
+            &["COMMIT", "BEGIN", "INSERT INTO uniques (id) VALUES (1)"],
+        ),
         ("begin", &["BEGIN"]),
         ("start", &["START TRANSACTION"]),
         ("autocommit", &["SET autocommit = 1"]),

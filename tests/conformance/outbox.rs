@@ -275,10 +275,14 @@ pub async fn committed_body_leaves_exactly_its_rows(h: impl Harness) {
 pub async fn body_with_outgoing_messages_that_ends_its_transaction_is_never_processed(
     h: impl Harness,
 ) {
-    let endings: [(&str, &[&'static str]); 4] = [
+    let endings: [(&str, &[&'static str]); 5] = [
         ("rollback", &["ROLLBACK"]),
         ("commit", &["COMMIT"]),
         ("commit-begin", &["COMMIT", "BEGIN"]),
+        (
+            "commit-begin-fail",
+            &["COMMIT", "BEGIN", "INSERT INTO uniques (id) VALUES (1)"],
+        ),
         ("swallowed", &["INSERT INTO uniques (id) VALUES (1)"]),
     ];
     for (ending, end) in endings {

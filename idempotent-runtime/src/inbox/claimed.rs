@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use serde::Serialize;
 
-use super::commit::{commit, ended_by_body, rollback_after};
+use super::commit::{commit, ended_before_abort, ended_by_body, rollback_after};
 use super::outgoing::{self, Outbox};
 use super::wakeups::Wakeups;
 use super::{Config, Handled, Inbox};
@@ -251,8 +251,19 @@ impl<DB: Backend> Claimed<DB> {
                 return Err(Error::Transient(error));
             }
         }
+        let claim = (
+            &self.config.statements,
+            self.outbox.origin(),
+            self.outbox.key(),
+        );
         let (session, later_writes_refused) = match self.tx.rollback_checked().await {
             Ok((RolledBack::Own, _)) => return Err(Error::Handler(error)),
+            Ok((RolledBack::Aborted, session)) => {
+                return Err(match ended_before_abort(session, Some(claim)).await {
+                    Some(ended) => Error::Inbox(ended),
+                    None => Error::Handler(error),
+                });
+            }
             Err(_) => return Err(Error::Transient(error)),
             Ok((
                 RolledBack::Replaced {
@@ -262,11 +273,6 @@ impl<DB: Backend> Claimed<DB> {
             )) => (session, later_writes_refused),
         };
         // The body ended the inbox's transaction itself before it failed.
-        let claim = (
-            &self.config.statements,
-            self.outbox.origin(),
-            self.outbox.key(),
-        );
         Err(Error::Inbox(
             ended_by_body(session, Some(claim), later_writes_refused).await,
         ))

@@ -17,7 +17,9 @@ pub(crate) async fn commit<DB: Backend>(
 ) -> Result<(), InboxError> {
     Err(match tx.commit().await {
         Ok((Ending::Committed, _)) => return Ok(()),
-        Ok((Ending::Aborted, _)) => InboxError::TransactionAborted,
+        Ok((Ending::Aborted, session)) => ended_before_abort(session, claim)
+            .await
+            .unwrap_or(InboxError::TransactionAborted),
         Ok((
             Ending::Replaced {
                 later_writes_refused,
@@ -46,8 +48,32 @@ pub(crate) async fn rollback_after<DB: Backend>(
             },
             session,
         )) => ended_by_body(session, claim, later_writes_refused).await,
+        Ok((RolledBack::Aborted, session)) => {
+            ended_before_abort(session, claim).await.unwrap_or(error)
+        }
         Ok((RolledBack::Own, _)) | Err(_) => error,
     }
+}
+
+/// What the rollback of an aborted transaction leaves to say, read on `session`: when `claim` is
+/// committed now, the body had ended the inbox's transaction (its `COMMIT` took the claim) and a
+/// statement then failed in a transaction of its own; the inbox's claim would have rolled back
+/// with its transaction. `None` when it is not (nothing of the inbox's committed), cannot be read,
+/// or there is no claim to look for. (A copy of the message that claimed the key as soon as the
+/// rollback freed it, and committed before this read, makes it say so too: the key is then
+/// committed, as it says, and a redelivery is a duplicate.)
+pub(crate) async fn ended_before_abort<DB: Backend>(
+    mut session: Session<DB>,
+    claim: Option<(&Statements, &str, &MessageKey)>,
+) -> Option<InboxError> {
+    let (statements, consumer, key) = claim?;
+    let row = session
+        .step(|conn| DB::stored(conn, &statements.inbox, consumer, key.as_bytes()))
+        .await;
+    matches!(row, Ok(Some(_))).then_some(InboxError::TransactionEnded {
+        key_committed: true,
+        later_writes_refused: false,
+    })
 }
 
 /// The error for a transaction the body ended (its own `COMMIT` or `ROLLBACK`, a statement that

@@ -37,6 +37,9 @@ pub enum Ending {
 pub enum RolledBack {
     /// The one the inbox began.
     Own,
+    /// An aborted one (a statement failed in it), which cannot say whose it was (PostgreSQL): the
+    /// inbox's, or one the body began after it ended the inbox's.
+    Aborted,
     /// Another, or none: the body (or the database) had ended the inbox's transaction.
     Replaced {
         /// Writes the body made after the end could not commit on their own.

@@ -12,7 +12,10 @@
 //! failed and the body carried on (PostgreSQL has aborted the transaction, and a `COMMIT` would
 //! quietly roll it back), and it finds no mark when the body ended the transaction itself
 //! (`COMMIT`, `ROLLBACK`) and perhaps began another. Either way the inbox rolls back what is open
-//! and reports it; it never reports such a message as processed. That read is one round trip,
+//! and reports it; it never reports such a message as processed. (An aborted transaction cannot
+//! say whose it was: after its rollback, the key found committed says that the body had committed
+//! the inbox's transaction itself and failed in one it began, `TransactionEnded`; otherwise it was
+//! the inbox's, `TransactionAborted`, nothing committed.) That read is one round trip,
 //! saved where the inbox's own last statement proved the mark: the stored response's `UPDATE`
 //! changes the row only while the mark is set, each outgoing row's `INSERT` returns the mark
 //! (`RETURNING current_setting(…)`; a row written after the body ended the transaction is written
@@ -231,9 +234,10 @@ impl Store for Postgres {
         _state: &(),
     ) -> Result<RolledBack, sqlx::Error> {
         let rolled_back = match mark(conn).await? {
-            // An aborted transaction is taken for the inbox's: a body that ended it, began
-            // another and failed in that one cannot be told apart.
-            Mark::Set | Mark::Aborted => RolledBack::Own,
+            Mark::Set => RolledBack::Own,
+            // A body that ended the inbox's transaction, began another and failed in that one
+            // cannot be told apart from the inbox's here; its claim, committed or not, tells.
+            Mark::Aborted => RolledBack::Aborted,
             Mark::Gone => RolledBack::Replaced {
                 later_writes_refused: false,
             },
