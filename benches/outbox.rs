@@ -149,29 +149,11 @@ async fn rabbitmq_limit_grouped(channel: &Channel, queue: &str, count: usize) ->
     let start = Instant::now();
     let ids: Vec<usize> = (0..count).collect();
     for group in ids.chunks(WINDOW) {
-        let confirms = futures::future::join_all(group.iter().map(|i| {
-            let properties = BasicProperties::default()
-                .with_message_id(uuid::Uuid::new_v4().to_string().into())
-                .with_delivery_mode(2);
-            let payload = payload(*i);
-            async move {
-                channel
-                    .basic_publish(
-                        "".into(),
-                        queue.into(),
-                        BasicPublishOptions {
-                            mandatory: true,
-                            ..BasicPublishOptions::default()
-                        },
-                        &payload,
-                        properties,
-                    )
-                    .await
-                    .unwrap()
-                    .await
-                    .unwrap()
-            }
-        }))
+        let confirms = futures::future::join_all(
+            group
+                .iter()
+                .map(|i| async move { rabbitmq_publish(channel, queue, *i).await.await.unwrap() }),
+        )
         .await;
         assert_eq!(confirms.len(), group.len());
     }
@@ -183,6 +165,26 @@ async fn rabbitmq_limit(channel: &Channel, queue: &str, count: usize) -> f64 {
     rabbitmq_limit_window(channel, queue, count, WINDOW).await
 }
 
+/// RabbitMQ: publishes message `i`, persistent and mandatory, with an id of its own; its
+/// confirmation to await.
+async fn rabbitmq_publish(
+    channel: &Channel,
+    queue: &str,
+    i: usize,
+) -> idempotent::broker::rabbitmq::lapin::PublisherConfirm {
+    let properties = BasicProperties::default()
+        .with_message_id(uuid::Uuid::new_v4().to_string().into())
+        .with_delivery_mode(2);
+    let options = BasicPublishOptions {
+        mandatory: true,
+        ..BasicPublishOptions::default()
+    };
+    channel
+        .basic_publish("".into(), queue.into(), options, &payload(i), properties)
+        .await
+        .unwrap()
+}
+
 /// RabbitMQ: `count` persistent, mandatory messages with ids, at most `window` unconfirmed.
 async fn rabbitmq_limit_window(channel: &Channel, queue: &str, count: usize, window: usize) -> f64 {
     let start = Instant::now();
@@ -192,23 +194,7 @@ async fn rabbitmq_limit_window(channel: &Channel, queue: &str, count: usize, win
         if confirms.len() >= window {
             confirms.next().await.unwrap().unwrap();
         }
-        let properties = BasicProperties::default()
-            .with_message_id(uuid::Uuid::new_v4().to_string().into())
-            .with_delivery_mode(2);
-        let confirm = channel
-            .basic_publish(
-                "".into(),
-                queue.into(),
-                BasicPublishOptions {
-                    mandatory: true,
-                    ..BasicPublishOptions::default()
-                },
-                &payload(i),
-                properties,
-            )
-            .await
-            .unwrap();
-        confirms.push(confirm);
+        confirms.push(rabbitmq_publish(channel, queue, i).await);
     }
     while let Some(confirm) = confirms.next().await {
         confirm.unwrap();
@@ -236,25 +222,8 @@ async fn rabbitmq_latency(
                 let mut latencies = Vec::new();
                 for i in (worker..count).step_by(workers) {
                     ticks.tick().await;
-                    let properties = BasicProperties::default()
-                        .with_message_id(uuid::Uuid::new_v4().to_string().into())
-                        .with_delivery_mode(2);
                     let start = Instant::now();
-                    channel
-                        .basic_publish(
-                            "".into(),
-                            queue.as_str().into(),
-                            BasicPublishOptions {
-                                mandatory: true,
-                                ..BasicPublishOptions::default()
-                            },
-                            &payload(i),
-                            properties,
-                        )
-                        .await
-                        .unwrap()
-                        .await
-                        .unwrap();
+                    rabbitmq_publish(&channel, &queue, i).await.await.unwrap();
                     latencies.push(start.elapsed());
                 }
                 latencies
