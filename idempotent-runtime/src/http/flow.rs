@@ -321,11 +321,14 @@ impl<DB: HttpBackend> Run<DB> {
         let stored = stored.encode();
         if let Err(error) = claimed.store_response(&stored).await {
             // Behind a pooler in transaction mode, a handler's `ROLLBACK` or `COMMIT` makes the
-            // store fail rather than change nothing: found out as the commit finds it out.
+            // store fail rather than change nothing: found out as the commit finds it out. What
+            // the handler wrote after may have committed on its own, unless the database refused
+            // it (SQLite: then a retry may run it again).
             return match claimed.rollback_after(error).await {
-                InboxError::TransactionEnded { key_committed, .. } => {
-                    Ok(self.transaction_ended(key_committed, &stored).await)
-                }
+                InboxError::TransactionEnded {
+                    key_committed,
+                    later_writes_refused: false,
+                } => Ok(self.transaction_ended(key_committed, &stored).await),
                 error => Err(Rejection::Inbox(error)),
             };
         }
