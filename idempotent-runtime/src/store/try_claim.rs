@@ -35,7 +35,7 @@
 
 use std::future::Future;
 
-use super::{Backend, CallGate, CallId, Statements, StoredRow};
+use super::{Backend, CallGate, Statements, StoredRow};
 
 /// What a claim that does not wait found.
 #[derive(Debug)]
@@ -233,10 +233,9 @@ mod sqlite {
     use sqlx::sqlite::SqliteConnection;
 
     use super::{
-        Attempt, CallGate, CallId, HttpBackend, Statements, sealed::ClaimWithoutWaiting,
-        unless_pending,
+        Attempt, CallGate, HttpBackend, Statements, sealed::ClaimWithoutWaiting, unless_pending,
     };
-    use crate::store::{CallQueries, InboxQueries};
+    use crate::store::{CallId, CallQueries, InboxQueries};
 
     impl HttpBackend for Sqlite {}
 
