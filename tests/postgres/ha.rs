@@ -74,14 +74,21 @@ async fn pair(mode: &str) -> (String, String) {
         .execute(&pool)
         .await
         .unwrap();
-    Inbox::new(pool).migrate().await.unwrap();
-    // The standby replays it a moment later.
-    for _ in 0..200 {
+    Inbox::new(pool.clone()).migrate().await.unwrap();
+    // The standby replays all of it a moment later (a synchronous commit waits for the standby to
+    // write the WAL, not to apply it): once it has replayed up to the primary's WAL position now.
+    let written: String = sqlx::query_scalar("SELECT pg_current_wal_lsn()::text")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    for _ in 0..1200 {
         if let Ok(mut conn) = sqlx::PgConnection::connect(&standby).await {
-            let replayed: Result<i64, _> = sqlx::query_scalar("SELECT count(*) FROM payments")
-                .fetch_one(&mut conn)
-                .await;
-            if replayed.is_ok() {
+            let replayed: Result<bool, _> =
+                sqlx::query_scalar("SELECT pg_last_wal_replay_lsn() >= $1::pg_lsn")
+                    .bind(&written)
+                    .fetch_one(&mut conn)
+                    .await;
+            if let Ok(true) = replayed {
                 return (primary, standby);
             }
         }

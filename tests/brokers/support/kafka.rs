@@ -230,6 +230,14 @@ impl Kafka {
         }
     }
 
+    /// Whether `group` has committed every record of `topic`.
+    pub async fn all_committed(&self, group: &str, topic: &str) -> bool {
+        self.lag(group, topic)
+            .await
+            .values()
+            .all(|(end, committed)| committed.unwrap_or(0) == *end)
+    }
+
     /// Asserts that `group` committed every record of `topic`.
     pub async fn nothing_left_uncommitted(&self, group: &str, topic: &str) {
         for (partition, (end, committed)) in self.lag(group, topic).await {
