@@ -14,7 +14,9 @@
 //! Each cell sends `--requests` requests (2000) to each route from `--concurrency` client tasks
 //! (1, 8 and 32), each with a fresh `Idempotency-Key`, or (with 20% retries) 1 in 5 a retry of one
 //! of its earlier requests. The routes take turns in `--rounds` rounds (3); a route's rate is its
-//! median round, its latencies those of all its rounds.
+//! median round, its latencies those of all its rounds. `--routes` names the routes to run
+//! (`plain`, `layered`, `checked`: all three by default), to profile one alone, for example
+//! under `perf stat`; the others' columns print `–`.
 //!
 //! ```text
 //! IDEMPOTENT_PG_URL=postgres://postgres@127.0.0.1:25432/postgres \
@@ -147,6 +149,9 @@ async fn checked(
     }
 }
 
+/// The routes, in the table's order: (a), (b), (c).
+const ROUTES: [&str; 3] = ["plain", "layered", "checked"];
+
 /// What one round of one route measured.
 struct Round {
     per_second: f64,
@@ -263,6 +268,18 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .collect::<Result<_, _>>()?;
     let connections: u32 = arg("--connections").map_or(Ok(16), |n| n.parse())?;
     let rounds: usize = arg("--rounds").map_or(Ok(3), |n| n.parse())?;
+    let routes: Vec<&str> = match arg("--routes") {
+        None => ROUTES.to_vec(),
+        Some(names) => names
+            .split(',')
+            .map(|name| {
+                ROUTES
+                    .into_iter()
+                    .find(|route| *route == name)
+                    .ok_or_else(|| format!("--routes: {name:?} is none of {ROUTES:?}"))
+            })
+            .collect::<Result<_, _>>()?,
+    };
 
     // A schema of its own, dropped at the end.
     let schema = format!("bench_http_{}", uuid::Uuid::new_v4().simple());
@@ -314,10 +331,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     for &concurrency in &concurrencies {
         for retry_percent in [0, 20] {
             // The routes take turns, round after round, so that a change in the machine's load
-            // falls on all three alike; each one's rate is its median round.
-            let routes = ["plain", "layered", "checked"];
+            // falls on all of them alike; each one's rate is its median round.
             let mut measured: Vec<Vec<Round>> = routes.iter().map(|_| Vec::new()).collect();
-            for route in routes {
+            for route in &routes {
                 load(
                     &format!("{base}/{route}"),
                     requests / 10,
@@ -332,25 +348,43 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                     measured.push(load(&url, requests / rounds, concurrency, retry_percent).await);
                 }
             }
-            let cells: Vec<Cell> = measured.into_iter().map(Cell::of).collect();
-            let [a, b, c] = &cells[..] else {
-                unreachable!("three routes")
+            let mut cells: Vec<(&str, Cell)> = routes
+                .iter()
+                .copied()
+                .zip(measured.into_iter().map(Cell::of))
+                .collect();
+            let [a, b, c] = ROUTES.map(|route| {
+                let at = cells.iter().position(|(name, _)| *name == route)?;
+                Some(cells.remove(at).1)
+            });
+            let rate = |cell: &Option<Cell>| {
+                cell.as_ref()
+                    .map_or("–".into(), |cell| format!("{:.0}", cell.per_second))
             };
+            let latency = |cell: &Option<Cell>| {
+                cell.as_ref().map_or("–".into(), |cell| {
+                    format!("{:.2} / {:.2}", ms(cell.p50), ms(cell.p99))
+                })
+            };
+            let ratio = |x: &Option<Cell>, y: &Option<Cell>| match (x, y) {
+                (Some(x), Some(y)) => format!("{:.2}", x.per_second / y.per_second),
+                _ => "–".into(),
+            };
+            let retries = [&b, &a, &c]
+                .into_iter()
+                .flatten()
+                .next()
+                .map_or(0, |cell| cell.retries);
             println!(
-                "| {concurrency} | {}% ({}) | {:.0} | {:.0} | {:.0} | {:.2} / {:.2} | {:.2} / {:.2} | {:.2} / {:.2} | **{:.2}** | **{:.2}** |",
-                retry_percent,
-                b.retries,
-                a.per_second,
-                b.per_second,
-                c.per_second,
-                ms(a.p50),
-                ms(a.p99),
-                ms(b.p50),
-                ms(b.p99),
-                ms(c.p50),
-                ms(c.p99),
-                b.per_second / a.per_second,
-                b.per_second / c.per_second,
+                "| {concurrency} | {retry_percent}% ({retries}) | {} | {} | {} | {} | {} | {} | **{}** | **{}** |",
+                rate(&a),
+                rate(&b),
+                rate(&c),
+                latency(&a),
+                latency(&b),
+                latency(&c),
+                ratio(&b, &a),
+                ratio(&b, &c),
             );
             for table in ["payments", "own_keys", "idempotent_inbox"] {
                 sqlx::query(sqlx::AssertSqlSafe(format!("TRUNCATE {table}")))
