@@ -156,6 +156,12 @@ impl InboxStatements {
     pub(crate) fn table_sql(&self, template: &str) -> String {
         template.replace("{t}", &self.table)
     }
+
+    /// The quoted table name.
+    #[cfg(all(feature = "http", feature = "postgres"))]
+    pub(crate) fn quoted_table(&self) -> &str {
+        &self.table
+    }
 }
 
 /// The statements on the inbox table, run; implemented once for every backend.

@@ -37,6 +37,10 @@ pub struct Statements {
     /// What the inbox's `BEGIN`s end with: in an inbox made for a schema, the statement that makes
     /// the body's tables that schema's ([`Dialect::set_schema`]); empty otherwise.
     pub(crate) begin_suffix: String,
+    /// The HTTP layer's claim on PostgreSQL, built on the layer's first request (see
+    /// [`try_claim`](super::try_claim)).
+    #[cfg(all(feature = "http", feature = "postgres"))]
+    pub(crate) try_claim: std::sync::OnceLock<std::sync::Arc<str>>,
 }
 
 impl Statements {
@@ -56,6 +60,8 @@ impl Statements {
                 }
                 _ => String::new(),
             },
+            #[cfg(all(feature = "http", feature = "postgres"))]
+            try_claim: std::sync::OnceLock::new(),
         }
     }
 

@@ -142,7 +142,7 @@ mod postgres {
         let mut digest = Sha256::new();
         digest.update(b"idempotent-http-claim");
         for part in [
-            statements.inbox.table_sql("{t}").as_bytes(),
+            statements.inbox.quoted_table().as_bytes(),
             consumer.as_bytes(),
             key,
         ] {
@@ -181,13 +181,13 @@ mod postgres {
                 Option<Vec<u8>>,
                 Option<Vec<u8>>,
             );
-            let sql = statements
-                .inbox
-                .table_sql(TRY_CLAIM)
-                .replace("{pending}", &statements.calls.pending);
+            let sql = statements.try_claim.get_or_init(|| {
+                let sql = statements.inbox.table_sql(TRY_CLAIM);
+                sql.replace("{pending}", &statements.calls.pending).into()
+            });
             let (taken, inserted, pending, found, stored_fingerprint, response): Found = statements
                 .inbox
-                .query_as(AssertSqlSafe(sql))
+                .query_as(AssertSqlSafe(sql.clone()))
                 .bind(consumer)
                 .bind(key)
                 .bind(call)
