@@ -74,10 +74,28 @@ pub(crate) struct OutboxDialect {
     /// commit. Otherwise (MySQL, MariaDB: no `UPDATE … RETURNING`) it locks them with a `SELECT`
     /// and marks the confirmed ones afterwards.
     pub(crate) mark_on_take: bool,
-    /// The relay finds each ordering key's head by skipping from key to key through the
-    /// `(ordering_key, ordering_seq)` index, one probe a key (PostgreSQL's `LATERAL`), rather than
-    /// by grouping every unsent keyed row.
-    pub(crate) key_skip_scan: bool,
+    /// How the relay finds each ordering key's head.
+    pub(crate) heads: Heads,
+}
+
+/// How a relay finds each ordering key's head (its lowest number among the candidate rows).
+/// (Each backend's feature builds its own.)
+#[cfg_attr(
+    not(all(feature = "postgres", feature = "mysql", feature = "sqlite")),
+    allow(dead_code)
+)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Heads {
+    /// From key to key through the `(ordering_key, ordering_seq)` index, one probe a key
+    /// (PostgreSQL's `LATERAL`).
+    SkipScan,
+    /// Grouped by state and key, which the `(state, ordering_key, ordering_seq, id)` index reads
+    /// one entry a group (MariaDB's and MySQL's loose index scan: 0.6 ms for 50 keys of 200,000
+    /// pending rows, where grouping by key alone read all of them, 48 ms), then by key.
+    GroupedByStateAndKey,
+    /// Grouped by key, in the order of the `(ordering_key, ordering_seq)` index (SQLite): a read
+    /// of every candidate keyed row.
+    GroupedByKey,
 }
 
 /// Numbers placeholders as the dialect wants them.

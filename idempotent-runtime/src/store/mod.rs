@@ -45,7 +45,7 @@ pub(crate) use calls::{CallGate, CallId, CallQueries, CallRow, StuckRow};
     not(any(feature = "postgres", feature = "mysql", feature = "sqlite")),
     allow(unused_imports)
 )]
-pub(crate) use dialect::{Dialect, OutboxDialect};
+pub(crate) use dialect::{Dialect, Heads, OutboxDialect};
 pub(crate) use driver::{Ending, RolledBack, Store};
 pub(crate) use inbox::{InboxQueries, InboxStatements, InspectRow, ListRow, StoredRow};
 pub(crate) use outbox::{

@@ -57,7 +57,7 @@ use sqlx::{AssertSqlSafe, Executor, MySql};
 use sqlx_core::transaction::TransactionManager;
 
 use super::inbox::InboxStatements;
-use super::{Backend, Dialect, Ending, HandlerConnection, OutboxDialect, RolledBack, Store};
+use super::{Backend, Dialect, Ending, HandlerConnection, Heads, OutboxDialect, RolledBack, Store};
 use crate::error::Fault;
 use crate::table::TableName;
 
@@ -124,7 +124,7 @@ impl Store for MySql {
             next_seq: " ON DUPLICATE KEY UPDATE last_seq = last_seq + 1, updated_at = VALUES(updated_at)",
             notify: None,
             mark_on_take: false,
-            key_skip_scan: false,
+            heads: Heads::GroupedByStateAndKey,
         },
     };
 

@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use sqlx::{AssertSqlSafe, Database, Decode, Encode, Executor, Type};
 
-use super::dialect::{Dialect, OutboxDialect, Params};
+use super::dialect::{Dialect, Heads, OutboxDialect, Params};
 use super::purge::{Bind, PurgeSql};
 use super::query::{QueryBuilder, RowsAffected, in_own_transaction};
 use crate::table::TableName;
@@ -262,31 +262,40 @@ impl OutboxStatements {
         // by number and by id alike (a key's rows are numbered in the order they are written).
         let heads = |candidates: &str| {
             let limit = p().next();
-            if dialect.outbox.key_skip_scan {
-                // From key to key through the index: one probe a key, not a read of every row.
-                let first = |after: &str| {
-                    format!(
-                        "SELECT ordering_key, ordering_seq FROM {o} WHERE {candidates} \
-                         AND ordering_key IS NOT NULL{after} \
-                         ORDER BY ordering_key, ordering_seq LIMIT 1"
-                    )
-                };
-                return format!(
-                    "WITH RECURSIVE m AS (({}) UNION ALL SELECT n.ordering_key, n.ordering_seq \
-                     FROM m, LATERAL ({}) n) \
-                     SELECT h.ordering_key, h.ordering_seq FROM m JOIN {o} h \
-                     ON h.ordering_key = m.ordering_key AND h.ordering_seq = m.ordering_seq \
-                     WHERE h.state = {PENDING} AND h.due_at <= {now} ORDER BY h.id LIMIT {limit}",
-                    first(""),
-                    first(" AND ordering_key > m.ordering_key"),
-                );
-            }
+            let keyed = format!("{candidates} AND ordering_key IS NOT NULL");
+            // Each key and its head's number, `m`.
+            let m = match dialect.outbox.heads {
+                Heads::SkipScan => {
+                    let first = |after: &str| {
+                        format!(
+                            "SELECT ordering_key, ordering_seq FROM {o} WHERE {keyed}{after} \
+                             ORDER BY ordering_key, ordering_seq LIMIT 1"
+                        )
+                    };
+                    return format!(
+                        "WITH RECURSIVE m AS (({}) UNION ALL SELECT n.ordering_key, n.ordering_seq \
+                         FROM m, LATERAL ({}) n) \
+                         SELECT h.ordering_key, h.ordering_seq FROM m JOIN {o} h \
+                         ON h.ordering_key = m.ordering_key AND h.ordering_seq = m.ordering_seq \
+                         WHERE h.state = {PENDING} AND h.due_at <= {now} ORDER BY h.id LIMIT {limit}",
+                        first(""),
+                        first(" AND ordering_key > m.ordering_key"),
+                    );
+                }
+                Heads::GroupedByStateAndKey => format!(
+                    "SELECT ordering_key, MIN(seq) AS seq FROM \
+                     (SELECT state, ordering_key, MIN(ordering_seq) AS seq FROM {o} \
+                     WHERE {keyed} GROUP BY state, ordering_key) s GROUP BY ordering_key"
+                ),
+                Heads::GroupedByKey => format!(
+                    "SELECT ordering_key, MIN(ordering_seq) AS seq FROM {o} \
+                     WHERE {keyed} GROUP BY ordering_key"
+                ),
+            };
             format!(
-                "SELECT h.ordering_key, h.ordering_seq FROM {o} h JOIN \
-                 (SELECT ordering_key, MIN(ordering_seq) AS seq, MIN(id) AS first FROM {o} \
-                 WHERE {candidates} AND ordering_key IS NOT NULL GROUP BY ordering_key) m \
+                "SELECT h.ordering_key, h.ordering_seq FROM {o} h JOIN ({m}) m \
                  ON h.ordering_key = m.ordering_key AND h.ordering_seq = m.seq \
-                 WHERE h.state = {PENDING} AND h.due_at <= {now} ORDER BY m.first LIMIT {limit}"
+                 WHERE h.state = {PENDING} AND h.due_at <= {now} ORDER BY h.id LIMIT {limit}"
             )
         };
         let heads_held = heads(&unsent("state"));
@@ -999,7 +1008,7 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::dialect::OutboxDialect;
+    use crate::store::dialect::{Heads, OutboxDialect};
 
     fn dialect() -> Dialect {
         Dialect {
@@ -1024,7 +1033,7 @@ mod tests {
                 next_seq: " ON CONFLICT (ordering_key) DO UPDATE SET last_seq = {k}.last_seq + 1, updated_at = {now}",
                 notify: Some("SELECT pg_notify('{c}', '')"),
                 mark_on_take: true,
-                key_skip_scan: true,
+                heads: Heads::SkipScan,
             },
         }
     }

@@ -45,7 +45,7 @@ use sqlx::{AssertSqlSafe, Executor, SqlSafeStr, Sqlite};
 use sqlx_core::transaction::TransactionManager;
 
 use super::inbox::InboxStatements;
-use super::{Backend, Dialect, Ending, HandlerConnection, OutboxDialect, RolledBack, Store};
+use super::{Backend, Dialect, Ending, HandlerConnection, Heads, OutboxDialect, RolledBack, Store};
 use crate::error::Fault;
 use crate::table::TableName;
 
@@ -125,7 +125,7 @@ impl Store for Sqlite {
                 SET last_seq = last_seq + 1, updated_at = {now}",
             notify: None,
             mark_on_take: true,
-            key_skip_scan: false,
+            heads: Heads::GroupedByKey,
         },
     };
 

@@ -79,7 +79,8 @@ use sqlx_core::transaction::TransactionManager;
 
 use super::inbox::InboxStatements;
 use super::{
-    Backend, Dialect, Ending, HandlerConnection, OutboxDialect, QueryBuilder, RolledBack, Store,
+    Backend, Dialect, Ending, HandlerConnection, Heads, OutboxDialect, QueryBuilder, RolledBack,
+    Store,
 };
 use crate::error::Fault;
 use crate::key::hex;
@@ -139,7 +140,7 @@ impl Store for Postgres {
                 SET last_seq = {k}.last_seq + 1, updated_at = {now}",
             notify: Some("SELECT pg_notify('{c}', '')"),
             mark_on_take: true,
-            key_skip_scan: true,
+            heads: Heads::SkipScan,
         },
     };
 
