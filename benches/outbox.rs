@@ -20,6 +20,11 @@
 //!    message, 8 workers, as a ratio: the relays woken after the commit (the default), by a
 //!    `NOTIFY` in the transaction (as before), and not at all (relays that poll).
 //!
+//! 4. **Tenants** (section `tenants`): one relay over 100 tenants' outboxes against one outbox.
+//! 5. **Backlogs** (section `backlog`): 20,000 rows drained off backlogs of 20,000 and 200,000, without
+//!    an ordering key and on 50 keys, on SQLite, PostgreSQL and (with `--features mysql` and
+//!    `IDEMPOTENT_MYSQL_URL`) MariaDB: whether finding the keys' heads slows as a backlog grows.
+//!
 //! Sections by name: `cargo bench --bench outbox --features rabbitmq,nats,postgres -- latency cost`
 //! (`throughput` includes `keyed`).
 
@@ -40,7 +45,7 @@ use idempotent::broker::rabbitmq::lapin::{
 use idempotent::outbox::{
     Destination, Outbox, OutgoingMessage, Publication, PublishError, Publisher, RelayOptions,
 };
-use idempotent::{Inbox, Tenants, idempotent};
+use idempotent::{Backend, Inbox, Tenants, idempotent};
 use sqlx::{PgConnection, PgPool, Postgres};
 
 const ACCOUNTS: i64 = 10_000;
@@ -82,8 +87,8 @@ async fn fill_outbox(inbox: &Inbox<Postgres>, count: usize, destination: &Destin
 
 /// Commits `count` outgoing messages to `destination`, 500 per transaction, message `i` with the
 /// ordering key `key-{i % keys}` (none when `keys` is 0).
-async fn fill_keyed_outbox(
-    inbox: &Inbox<Postgres>,
+async fn fill_keyed_outbox<DB: Backend>(
+    inbox: &Inbox<DB>,
     count: usize,
     destination: &Destination,
     keys: usize,
@@ -106,8 +111,8 @@ async fn fill_keyed_outbox(
 }
 
 /// Runs a relay with `options` until it published `count` messages; messages per second.
-async fn drain<P: Publisher>(
-    inbox: &Inbox<Postgres>,
+async fn drain<DB: Backend, P: Publisher>(
+    inbox: &Inbox<DB>,
     publisher: P,
     options: RelayOptions,
     count: usize,
@@ -692,6 +697,180 @@ async fn tenants_drain(pool: &PgPool, channel: &Channel, queue: &str, count: usi
     }
 }
 
+/// Backlogs of the `backlog` section: the relay drains `count` rows off the top of each.
+const BACKLOGS: [usize; 2] = [20_000, 200_000];
+
+/// How fast a relay drains `count` rows off backlogs of each size in [`BACKLOGS`], without an
+/// ordering key and on [`KEYS`] keys, through a broker that confirms at once: what finding the
+/// keys' heads costs as a backlog grows. `[backlog][unkeyed, keyed]`, messages/s, median of 3
+/// rounds, each drained off a backlog of the size (the rows sent before stay in the table).
+async fn backlog_rates<DB: Backend, F, Fut>(
+    inbox: &Inbox<DB>,
+    count: usize,
+    upkeep: F,
+) -> [[f64; 2]; 2]
+where
+    F: Fn(Upkeep) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    inbox.migrate().await.unwrap();
+    let destination = Destination::queue("backlog");
+    let mut rates = [[0.0; 2]; 2];
+    for (at, backlog) in BACKLOGS.into_iter().enumerate() {
+        for (keyed, keys) in [0, KEYS].into_iter().enumerate() {
+            // Each round drains `drained` rows and writes as many behind the rest.
+            let drained = count.min(backlog);
+            let mut rounds = Vec::new();
+            upkeep(Upkeep::Empty).await;
+            fill_keyed_outbox(inbox, backlog, &destination, keys).await;
+            for _ in 0..3 {
+                upkeep(Upkeep::Analyze).await;
+                let options = RelayOptions::default().batch_size(500).workers(4);
+                rounds.push(drain(inbox, Instant0, options, drained).await);
+                fill_keyed_outbox(inbox, drained, &destination, keys).await;
+            }
+            rounds.sort_by(f64::total_cmp);
+            rates[at][keyed] = rounds[1];
+        }
+    }
+    upkeep(Upkeep::Empty).await;
+    rates
+}
+
+/// What [`backlog_rates`] asks of a store between runs.
+enum Upkeep {
+    /// Empty the outbox.
+    Empty,
+    /// Bring the planner's statistics up to date, as the database's own upkeep would while a
+    /// backlog stands (PostgreSQL's autovacuum, InnoDB's persistent statistics).
+    Analyze,
+}
+
+/// Whether the `backlog` section measures `store` (`BENCH_BACKLOG_STORES`, a comma-separated
+/// list of `sqlite`, `postgres`, `mysql`; all when unset).
+fn backlog_store(store: &str) -> bool {
+    std::env::var("BENCH_BACKLOG_STORES")
+        .map_or(true, |stores| stores.split(',').any(|s| s == store))
+}
+
+/// The `backlog` section: [`backlog_rates`] on SQLite, PostgreSQL and (with the `mysql` feature
+/// and `IDEMPOTENT_MYSQL_URL`) MariaDB or MySQL, as a table.
+async fn backlogs(pool: &PgPool, count: usize) {
+    let mut rows: Vec<(&str, [[f64; 2]; 2])> = Vec::new();
+
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("backlog.db").display());
+    let sqlite = sqlx::sqlite::SqlitePoolOptions::new()
+        .max_connections(4)
+        .connect_with(idempotent::sqlite::connect_options(&url).unwrap())
+        .await
+        .unwrap();
+    let inbox = Inbox::new(sqlite.clone());
+    let sqlite = &sqlite;
+    let upkeep = |upkeep| async move {
+        let sql = match upkeep {
+            Upkeep::Empty => {
+                "DELETE FROM idempotent_inbox_outbox; DELETE FROM idempotent_inbox_outbox_keys"
+            }
+            // SQLite's statistics are the user's to gather, and few do.
+            Upkeep::Analyze => return,
+        };
+        sqlx::raw_sql(sql).execute(sqlite).await.unwrap();
+    };
+    if backlog_store("sqlite") {
+        rows.push(("SQLite", backlog_rates(&inbox, count, upkeep).await));
+    }
+
+    let schema = "bench_backlog";
+    let ddl = format!("DROP SCHEMA IF EXISTS {schema} CASCADE; CREATE SCHEMA {schema}");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(ddl))
+        .execute(pool)
+        .await
+        .unwrap();
+    let inbox = Inbox::new(pool.clone()).with_schema(schema).unwrap();
+    let upkeep = |upkeep| async move {
+        let o = format!("{schema}.idempotent_inbox_outbox");
+        let sql = match upkeep {
+            Upkeep::Empty => format!("TRUNCATE {o}, {o}_keys"),
+            Upkeep::Analyze => format!("VACUUM ANALYZE {o}"),
+        };
+        sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+            .execute(pool)
+            .await
+            .unwrap();
+    };
+    if backlog_store("postgres") {
+        rows.push(("PostgreSQL", backlog_rates(&inbox, count, upkeep).await));
+    }
+    let ddl = format!("DROP SCHEMA {schema} CASCADE");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(ddl))
+        .execute(pool)
+        .await
+        .unwrap();
+
+    #[cfg(feature = "mysql")]
+    if let (Ok(url), true) = (
+        std::env::var("IDEMPOTENT_MYSQL_URL"),
+        backlog_store("mysql"),
+    ) {
+        use std::str::FromStr;
+        let options = sqlx::mysql::MySqlConnectOptions::from_str(&url).unwrap();
+        let server = sqlx::mysql::MySqlPool::connect_with(options.clone())
+            .await
+            .unwrap();
+        let database = "idempotent_bench_backlog";
+        for sql in [
+            format!("DROP DATABASE IF EXISTS {database}"),
+            format!("CREATE DATABASE {database}"),
+        ] {
+            sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+                .execute(&server)
+                .await
+                .unwrap();
+        }
+        let mysql = sqlx::mysql::MySqlPoolOptions::new()
+            .max_connections(8)
+            .connect_with(options.database(database))
+            .await
+            .unwrap();
+        let inbox = Inbox::new(mysql.clone());
+        let on = &mysql;
+        let upkeep = |upkeep| async move {
+            let sql = match upkeep {
+                Upkeep::Empty => {
+                    "TRUNCATE TABLE idempotent_inbox_outbox; TRUNCATE TABLE idempotent_inbox_outbox_keys"
+                }
+                Upkeep::Analyze => "ANALYZE TABLE idempotent_inbox_outbox",
+            };
+            sqlx::raw_sql(sql).execute(on).await.unwrap();
+        };
+        rows.push(("MariaDB", backlog_rates(&inbox, count, upkeep).await));
+        mysql.close().await;
+        let sql = format!("DROP DATABASE {database}");
+        sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+            .execute(&server)
+            .await
+            .unwrap();
+    }
+
+    println!(
+        "\n## Backlogs ({count} messages drained off the top, batches of 500, 4 workers, a broker \
+         that confirms at once, median of 3 rounds)\n"
+    );
+    println!(
+        "| store | backlog | no ordering key, messages/s | {KEYS} ordering keys, messages/s | keyed / unkeyed |"
+    );
+    println!("|---|---|---|---|---|");
+    for (store, rates) in rows {
+        for (backlog, [unkeyed, keyed]) in BACKLOGS.into_iter().zip(rates) {
+            println!(
+                "| {store} | {backlog} | {unkeyed:.0} | {keyed:.0} | {:.2} |",
+                keyed / unkeyed
+            );
+        }
+    }
+}
+
 fn ms(d: Duration) -> String {
     format!("{:.1}", d.as_secs_f64() * 1000.0)
 }
@@ -753,6 +932,9 @@ async fn main() {
     }
     if wanted("tenants") {
         tenants_drain(&pool, &channel, &queue, count).await;
+    }
+    if wanted("backlog") {
+        backlogs(&pool, count).await;
     }
     if wanted("throughput") {
         // 1. Throughput: RabbitMQ.

@@ -14,6 +14,7 @@
 //! | 2 | `<table>_calls.updated_at` (the retention of call records; calls recorded before the upgrade count from the upgrade), `<table>_horizons` (each consumer's purge horizon), `<table>_audit` (messages forgotten on purpose), `<table>_schema` |
 //! | 3 | `<table>_outbox` (the [outbox](crate::outbox)'s outgoing messages) and `<table>_outbox_keys` (the last number given to each ordering key) |
 //! | 4 | `<table>_outbox_skipped`, the index the purge of skipped outgoing messages reads (PostgreSQL and SQLite; MySQL's `(state, sent_at)` index of version 3 serves it) |
+//! | 5 | `<table>_outbox_unkeyed`, the index of the pending outgoing messages without an ordering key, which the relay reads to take them and to learn whether any wait, in a time that does not grow with a backlog of keyed ones (PostgreSQL and SQLite; MySQL's `(state, ordering_key, ordering_seq, id)` index of version 3 serves it) |
 //!
 //! ## Where the tables are
 //!
@@ -44,7 +45,7 @@ use crate::store::{Backend, Statements, database_error};
 use crate::table::TableName;
 
 /// The schema version this library creates and upgrades to.
-pub const CURRENT_VERSION: u32 = 4;
+pub const CURRENT_VERSION: u32 = 5;
 
 /// What a migration did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

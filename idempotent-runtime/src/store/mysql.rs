@@ -125,6 +125,7 @@ impl Store for MySql {
             notify: None,
             mark_on_take: false,
             heads: Heads::GroupedByStateAndKey,
+            runs_joined: false,
         },
     };
 
@@ -305,9 +306,10 @@ impl Store for MySql {
                     i("outbox_keys_at")
                 ),
             ],
-            // Version 4 purges skipped outgoing messages by `(state, sent_at)`, which version 3
+            // Version 4 purges skipped outgoing messages by `(state, sent_at)`, and version 5
+            // reads the pending ones without a key by `(state, ordering_key, …)`, which version 3
             // indexes already: nothing to change but the version.
-            4 => Vec::new(),
+            4 | 5 => Vec::new(),
             _ => Vec::new(),
         }
     }

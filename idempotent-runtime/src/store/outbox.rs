@@ -282,14 +282,32 @@ impl OutboxStatements {
                         first(" AND ordering_key > m.ordering_key"),
                     );
                 }
+                Heads::SkipScanBySubqueries => {
+                    let keyed = format!("state <> {SENT} AND {keyed}");
+                    let first = |column: &str, after: &str| {
+                        format!(
+                            "(SELECT {column} FROM {o} WHERE {keyed}{after} \
+                             ORDER BY {column} LIMIT 1)"
+                        )
+                    };
+                    return format!(
+                        "WITH RECURSIVE k(ordering_key) AS (SELECT {} UNION ALL SELECT {} \
+                         FROM k WHERE k.ordering_key IS NOT NULL), \
+                         m(ordering_key, seq) AS (SELECT ordering_key, {} FROM k \
+                         WHERE ordering_key IS NOT NULL) \
+                         SELECT h.ordering_key, h.ordering_seq FROM m CROSS JOIN {o} h \
+                         ON h.ordering_key = m.ordering_key AND h.ordering_seq = m.seq \
+                         WHERE h.state <> {SENT} AND h.state = {PENDING} AND h.due_at <= {now} \
+                         ORDER BY h.id LIMIT {limit}",
+                        first("ordering_key", ""),
+                        first("ordering_key", " AND ordering_key > k.ordering_key"),
+                        first("ordering_seq", " AND ordering_key = k.ordering_key"),
+                    );
+                }
                 Heads::GroupedByStateAndKey => format!(
                     "SELECT ordering_key, MIN(seq) AS seq FROM \
                      (SELECT state, ordering_key, MIN(ordering_seq) AS seq FROM {o} \
                      WHERE {keyed} GROUP BY state, ordering_key) s GROUP BY ordering_key"
-                ),
-                Heads::GroupedByKey => format!(
-                    "SELECT ordering_key, MIN(ordering_seq) AS seq FROM {o} \
-                     WHERE {keyed} GROUP BY ordering_key"
                 ),
             };
             format!(
@@ -471,6 +489,22 @@ impl OutboxStatements {
     /// first, last)` triples), skipping rows another relay holds.
     fn take_runs(&self, keys: usize) -> String {
         let mut p = Params::new(&self.dialect);
+        let now = self.dialect.now_ms;
+        if self.dialect.outbox.runs_joined {
+            let runs: Vec<String> = (0..keys)
+                .map(|_| format!("({}, {}, {})", p.next(), p.next(), p.next()))
+                .collect();
+            let which = format!(
+                "id IN (SELECT o.id FROM (VALUES {}) r CROSS JOIN {t} o \
+                 ON o.ordering_key = r.column1 AND o.ordering_seq >= r.column2 \
+                 AND o.ordering_seq <= r.column3 WHERE o.state <> {SENT} \
+                 AND o.ordering_key IS NOT NULL AND o.state = {PENDING} AND o.due_at <= {now}) \
+                 ORDER BY id",
+                runs.join(", "),
+                t = self.table
+            );
+            return Self::take(&self.dialect, &self.table, &self.taken, &which);
+        }
         let runs: Vec<String> = (0..keys)
             .map(|_| {
                 let (key, first, last) = (p.next(), p.next(), p.next());
@@ -480,8 +514,7 @@ impl OutboxStatements {
             })
             .collect();
         let which = format!(
-            "state = {PENDING} AND due_at <= {} AND ({}) ORDER BY id",
-            self.dialect.now_ms,
+            "state = {PENDING} AND due_at <= {now} AND ({}) ORDER BY id",
             runs.join(" OR ")
         );
         Self::take(&self.dialect, &self.table, &self.taken, &which)
@@ -1034,6 +1067,7 @@ mod tests {
                 notify: Some("SELECT pg_notify('{c}', '')"),
                 mark_on_take: true,
                 heads: Heads::SkipScan,
+                runs_joined: false,
             },
         }
     }

@@ -125,7 +125,8 @@ impl Store for Sqlite {
                 SET last_seq = last_seq + 1, updated_at = {now}",
             notify: None,
             mark_on_take: true,
-            heads: Heads::GroupedByKey,
+            heads: Heads::SkipScanBySubqueries,
+            runs_joined: true,
         },
     };
 
@@ -348,6 +349,13 @@ impl Store for Sqlite {
             4 => vec![format!(
                 "CREATE INDEX IF NOT EXISTS {} ON {} (sent_at) WHERE state = 3",
                 i("outbox_skipped"),
+                q("outbox")
+            )],
+            // The pending outgoing messages without an ordering key, which a relay looks for at
+            // each batch: among the pending rows, past every keyed one of a backlog.
+            5 => vec![format!(
+                "CREATE INDEX IF NOT EXISTS {} ON {} (id) WHERE state = 0 AND ordering_key IS NULL",
+                i("outbox_unkeyed"),
                 q("outbox")
             )],
             _ => Vec::new(),
