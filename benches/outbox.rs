@@ -781,32 +781,32 @@ async fn backlogs(pool: &PgPool, count: usize) {
         rows.push(("SQLite", backlog_rates(&inbox, count, upkeep).await));
     }
 
-    let schema = "bench_backlog";
-    let ddl = format!("DROP SCHEMA IF EXISTS {schema} CASCADE; CREATE SCHEMA {schema}");
-    sqlx::raw_sql(sqlx::AssertSqlSafe(ddl))
-        .execute(pool)
-        .await
-        .unwrap();
-    let inbox = Inbox::new(pool.clone()).with_schema(schema).unwrap();
-    let upkeep = |upkeep| async move {
-        let o = format!("{schema}.idempotent_inbox_outbox");
-        let sql = match upkeep {
-            Upkeep::Empty => format!("TRUNCATE {o}, {o}_keys"),
-            Upkeep::Analyze => format!("VACUUM ANALYZE {o}"),
-        };
-        sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+    if backlog_store("postgres") {
+        let schema = "bench_backlog";
+        let ddl = format!("DROP SCHEMA IF EXISTS {schema} CASCADE; CREATE SCHEMA {schema}");
+        sqlx::raw_sql(sqlx::AssertSqlSafe(ddl))
             .execute(pool)
             .await
             .unwrap();
-    };
-    if backlog_store("postgres") {
+        let inbox = Inbox::new(pool.clone()).with_schema(schema).unwrap();
+        let upkeep = |upkeep| async move {
+            let o = format!("{schema}.idempotent_inbox_outbox");
+            let sql = match upkeep {
+                Upkeep::Empty => format!("TRUNCATE {o}, {o}_keys"),
+                Upkeep::Analyze => format!("VACUUM ANALYZE {o}"),
+            };
+            sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+                .execute(pool)
+                .await
+                .unwrap();
+        };
         rows.push(("PostgreSQL", backlog_rates(&inbox, count, upkeep).await));
+        let ddl = format!("DROP SCHEMA {schema} CASCADE");
+        sqlx::raw_sql(sqlx::AssertSqlSafe(ddl))
+            .execute(pool)
+            .await
+            .unwrap();
     }
-    let ddl = format!("DROP SCHEMA {schema} CASCADE");
-    sqlx::raw_sql(sqlx::AssertSqlSafe(ddl))
-        .execute(pool)
-        .await
-        .unwrap();
 
     #[cfg(feature = "mysql")]
     if let (Ok(url), true) = (
