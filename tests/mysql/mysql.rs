@@ -228,3 +228,114 @@ async fn a_statement_that_commits_implicitly_is_reported_with_the_key_committed(
         );
     }
 }
+
+/// How many index entries a relay batch reads on MySQL and MariaDB, counted with the session's
+/// handler reads on a pool of one connection that the relay and the count share: a batch reads
+/// about what it takes, not every pending row, nor the sent rows kept before them.
+mod relay_reads {
+    use std::time::Duration;
+
+    use idempotent::Inbox;
+    use idempotent::outbox::{Destination, Outbox, OutgoingMessage, RelayOptions};
+    use sqlx::MySql;
+    use sqlx::mysql::{MySqlPool, MySqlPoolOptions};
+
+    use super::MySqlHarness;
+    use crate::conformance::Recorder;
+    use crate::support::Harness;
+
+    /// An inbox of the harness's database on a pool of one connection, and that pool.
+    async fn on_one_connection(h: &MySqlHarness) -> (Inbox<MySql>, MySqlPool) {
+        let options = h.inbox().pool().connect_options().as_ref().clone();
+        let one = MySqlPoolOptions::new()
+            .max_connections(1)
+            .connect_with(options)
+            .await
+            .unwrap();
+        (Inbox::new(one.clone()), one)
+    }
+
+    /// `rounds` transactions of 50 messages, one for each of 50 keys (or none).
+    async fn write(inbox: &Inbox<MySql>, rounds: u32, keyed: bool) {
+        for n in 0..rounds {
+            let mut outbox = Outbox::new("checkout", format!("round-{n}").as_str()).unwrap();
+            for key in 0..50 {
+                let message = OutgoingMessage::new(Destination::queue("orders"), format!("{n}"));
+                outbox.send(if keyed {
+                    message.with_ordering_key(format!("key-{key}"))
+                } else {
+                    message
+                });
+            }
+            let mut tx = inbox.pool().begin().await.unwrap();
+            inbox.enqueue(&mut tx, outbox).await.unwrap();
+            tx.commit().await.unwrap();
+        }
+    }
+
+    /// The index entries the pool's one session has read so far.
+    async fn index_reads(pool: &MySqlPool) -> i64 {
+        let rows: Vec<(String, String)> =
+            sqlx::query_as("SHOW SESSION STATUS LIKE 'Handler_read%'")
+                .fetch_all(pool)
+                .await
+                .unwrap();
+        rows.iter().map(|(_, n)| n.parse::<i64>().unwrap()).sum()
+    }
+
+    /// One relay batch of 100 on `inbox`: the entries it read.
+    async fn batch_reads(inbox: &Inbox<MySql>, pool: &MySqlPool) -> i64 {
+        let recorder = Recorder::new(Duration::ZERO);
+        let before = index_reads(pool).await;
+        let options = RelayOptions::default().batch_size(100);
+        let report = inbox.relay_once(&recorder, &options).await.unwrap();
+        assert_eq!(report.published, 100, "{report:?}");
+        index_reads(pool).await - before
+    }
+
+    /// The keys' heads, found one index entry a key (the loose index scan), also on a connection
+    /// that ran the relay before its table was emptied by `TRUNCATE`: MariaDB prepares a statement
+    /// again after a `TRUNCATE` of its table without that scan, and the heads' prepared statement
+    /// then read every pending row at each batch for as long as the connection lived. And the
+    /// keys' runs, read by their ranges of the index rather than every pending row.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_keyed_batch_reads_its_keys_not_every_pending_row_even_after_a_truncate() {
+        let h = MySqlHarness::new().await;
+        let (inbox, one) = on_one_connection(&h).await;
+        write(&inbox, 100, true).await;
+        batch_reads(&inbox, &one).await;
+        for table in ["idempotent_inbox_outbox", "idempotent_inbox_outbox_keys"] {
+            sqlx::raw_sql(sqlx::AssertSqlSafe(format!("TRUNCATE TABLE {table}")))
+                .execute(&one)
+                .await
+                .unwrap();
+        }
+        write(&inbox, 100, true).await;
+        let read = batch_reads(&inbox, &one).await;
+        // Some hundreds; every pending row is 5,000.
+        assert!(
+            read < 2_500,
+            "{read} index entries read for 100 of 5,000 pending rows"
+        );
+    }
+
+    /// Rows without a key, read in id order from the first pending one: the sent rows the
+    /// outbox keeps before them (until its retention ends) are not read again at each batch, as
+    /// they were when MariaDB read the table in id order from its start.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_unkeyed_batch_does_not_read_the_sent_rows_before_it() {
+        let h = MySqlHarness::new().await;
+        let (inbox, one) = on_one_connection(&h).await;
+        write(&inbox, 100, false).await;
+        for _ in 0..50 {
+            batch_reads(&inbox, &one).await;
+        }
+        write(&inbox, 2, false).await;
+        let read = batch_reads(&inbox, &one).await;
+        // Some hundreds; the sent rows before them are 5,000.
+        assert!(
+            read < 2_500,
+            "{read} index entries read for 100 rows after 5,000 sent ones"
+        );
+    }
+}

@@ -81,6 +81,15 @@ pub(crate) struct OutboxDialect {
     /// which read every pending row for the `OR` of the runs: 120 ms a batch off 200,000 pending
     /// rows, 1.5 ms joined), rather than by that `OR`.
     pub(crate) runs_joined: bool,
+    /// The relay's reads of pending rows by state and key (the rows without a key, whether any
+    /// waits, the keys' runs) name the `(state, ordering_key, ordering_seq, id)` index (`FORCE
+    /// INDEX`: MySQL, MariaDB), and a row without a key is read as one without a number too, so
+    /// that the index gives those in id order. MariaDB 10.11 otherwise read the rows without a
+    /// key by the primary key from the table's start, through every sent row the retention
+    /// keeps, and the keys' runs by the `(state, sent_at)` index, through every pending row: a
+    /// batch of 100 read 5,205 index entries after 5,000 sent rows, and 5,608 of 5,000 pending
+    /// keyed ones (205 and 857 with the index named: `tests/mysql`, `relay_reads`).
+    pub(crate) pending_index_named: bool,
 }
 
 /// How a relay finds each ordering key's head (its lowest number among the candidate rows).
@@ -103,8 +112,23 @@ pub(crate) enum Heads {
     SkipScanBySubqueries,
     /// Grouped by state and key, which the `(state, ordering_key, ordering_seq, id)` index reads
     /// one entry a group (MariaDB's and MySQL's loose index scan: 1.5 ms for 50 keys of 200,000
-    /// rows, where grouping by key alone read all of them, 34–65 ms), then by key.
+    /// rows, where grouping by key alone read all of them, 34–65 ms), then by key. Planned at
+    /// each batch (see [`Heads::planned_each_batch`]).
     GroupedByStateAndKey,
+}
+
+impl Heads {
+    /// Whether the heads' statement is sent as text with its limit written in, so that the
+    /// database plans it at each batch, rather than prepared once per connection. MariaDB 10.11
+    /// kept the prepared statement of [`GroupedByStateAndKey`](Heads::GroupedByStateAndKey) off
+    /// its loose index scan once its table had been emptied by `TRUNCATE` (`tests/mysql`,
+    /// `relay_reads`: 10,708 index entries read for a batch of 100 of 5,000 pending rows, 857
+    /// planned anew), and in the benchmark after `DELETE` and `OPTIMIZE` too, for as long as the
+    /// connection lived: every pending row read at each batch, 110–170 ms off 200,000 rows
+    /// against 1 ms. Prepared anew at each batch instead, it cost the keyed drain a third.
+    pub(crate) fn planned_each_batch(self) -> bool {
+        self == Heads::GroupedByStateAndKey
+    }
 }
 
 /// Numbers placeholders as the dialect wants them.

@@ -126,6 +126,7 @@ impl Store for MySql {
             mark_on_take: false,
             heads: Heads::GroupedByStateAndKey,
             runs_joined: false,
+            pending_index_named: true,
         },
     };
 

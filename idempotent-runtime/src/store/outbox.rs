@@ -12,7 +12,7 @@
 use std::future::Future;
 use std::sync::Arc;
 
-use sqlx::{AssertSqlSafe, Database, Decode, Encode, Executor, Type};
+use sqlx::{AssertSqlSafe, Database, Decode, Encode, Executor, Row, Type};
 
 use super::dialect::{Dialect, Heads, OutboxDialect, Params};
 use super::purge::{Bind, PurgeSql};
@@ -148,6 +148,9 @@ impl KeyShare {
 pub struct OutboxStatements {
     dialect: Dialect,
     table: String,
+    /// [`table`](Self::table) as the relay's reads of pending rows name it (see
+    /// [`OutboxDialect::pending_index_named`]).
+    pending: String,
     /// The relays' columns of a row, with the clock last.
     taken: String,
     /// Inserts a row; where the dialect has a condition that proves the inbox's transaction
@@ -162,6 +165,8 @@ pub struct OutboxStatements {
     take_unkeyed: Arc<str>,
     /// `1` if a row without an ordering key is pending and due, else `0`.
     unkeyed_waiting: Arc<str>,
+    /// Each key's head: the statement, or where the dialect's heads are
+    /// [planned at each batch](Heads::planned_each_batch), the statement up to its limit's value.
     heads: Arc<str>,
     /// [`heads`](Self::heads) with parked rows holding their keys.
     heads_held: Arc<str>,
@@ -241,19 +246,28 @@ impl OutboxStatements {
             "id, message_id, exchange, routing_key, payload, headers, attempts, created_at, \
              ordering_key, ordering_seq, {now} AS now_ms"
         );
+        // Where the relay names the `(state, ordering_key, ordering_seq, id)` index, a row without
+        // a key is also one without a number, so that the index gives them in id order.
+        let (pending, unkeyed) = if dialect.outbox.pending_index_named {
+            (
+                format!("{o} FORCE INDEX ({})", table.index("outbox_pending", q)),
+                "ordering_key IS NULL AND ordering_seq IS NULL",
+            )
+        } else {
+            (o.clone(), "ordering_key IS NULL")
+        };
         let take_unkeyed = Self::take(
             dialect,
-            &o,
+            &pending,
             &taken,
             &format!(
-                "state = {PENDING} AND ordering_key IS NULL AND due_at <= {now} \
-                 ORDER BY id LIMIT {}",
+                "state = {PENDING} AND {unkeyed} AND due_at <= {now} ORDER BY id LIMIT {}",
                 p().next()
             ),
         );
         let unkeyed_waiting = format!(
-            "SELECT COUNT(*) FROM (SELECT 1 AS w FROM {o} WHERE state = {PENDING} \
-             AND ordering_key IS NULL AND due_at <= {now} LIMIT 1) w"
+            "SELECT COUNT(*) FROM (SELECT 1 AS w FROM {pending} WHERE state = {PENDING} \
+             AND {unkeyed} AND due_at <= {now} LIMIT 1) w"
         );
         // Each key's head (its row with the lowest number among the `candidates`), of the keys
         // whose head is pending and due: a key in back-off takes no slot from one that is ready,
@@ -261,7 +275,12 @@ impl OutboxStatements {
         // Keys are taken oldest head first: a head is its key's first row among the candidates,
         // by number and by id alike (a key's rows are numbered in the order they are written).
         let heads = |candidates: &str| {
-            let limit = p().next();
+            // Written in at each batch where the heads are planned at each batch.
+            let limit = if dialect.outbox.heads.planned_each_batch() {
+                String::new()
+            } else {
+                p().next()
+            };
             let keyed = format!("{candidates} AND ordering_key IS NOT NULL");
             // Each key and its head's number, `m`.
             let m = match dialect.outbox.heads {
@@ -440,6 +459,7 @@ impl OutboxStatements {
         Self {
             dialect: *dialect,
             table: o,
+            pending,
             taken,
             insert: insert.into(),
             next_seq: next_seq.into(),
@@ -519,7 +539,7 @@ impl OutboxStatements {
             "state = {PENDING} AND due_at <= {now} AND ({}) ORDER BY id",
             runs.join(" OR ")
         );
-        Self::take(&self.dialect, &self.table, &self.taken, &which)
+        Self::take(&self.dialect, &self.pending, &self.taken, &which)
     }
 
     /// These statements with writers sending the relays' wake-up (where the database has one), or
@@ -779,11 +799,22 @@ where
         };
         // As many heads of every key as this share wants of its own.
         let wanted = keys.saturating_mul(share.workers);
-        let heads: Vec<(String, i64)> = statements
-            .query_as(AssertSqlSafe(heads.clone()))
-            .bind(i64::try_from(wanted).unwrap_or(i64::MAX))
-            .fetch_all(&mut *conn)
-            .await?;
+        let wanted = i64::try_from(wanted).unwrap_or(i64::MAX);
+        let heads: Vec<(String, i64)> = if statements.dialect.outbox.heads.planned_each_batch() {
+            let sql = format!("{heads}{wanted}");
+            let rows = sqlx::raw_sql(AssertSqlSafe(sql))
+                .fetch_all(&mut *conn)
+                .await?;
+            rows.iter()
+                .map(|row| Ok((row.try_get(0)?, row.try_get(1)?)))
+                .collect::<Result<_, sqlx::Error>>()?
+        } else {
+            statements
+                .query_as(AssertSqlSafe(heads.clone()))
+                .bind(wanted)
+                .fetch_all(&mut *conn)
+                .await?
+        };
         let heads: Vec<(String, i64)> = heads
             .into_iter()
             .filter(|(key, _)| share.holds(key))
@@ -1070,6 +1101,7 @@ mod tests {
                 mark_on_take: true,
                 heads: Heads::SkipScan,
                 runs_joined: false,
+                pending_index_named: false,
             },
         }
     }

@@ -127,6 +127,7 @@ impl Store for Sqlite {
             mark_on_take: true,
             heads: Heads::SkipScanBySubqueries,
             runs_joined: true,
+            pending_index_named: false,
         },
     };
 

@@ -142,6 +142,7 @@ impl Store for Postgres {
             mark_on_take: true,
             heads: Heads::SkipScan,
             runs_joined: false,
+            pending_index_named: false,
         },
     };
 
