@@ -247,7 +247,9 @@ impl OutboxStatements {
              ordering_key, ordering_seq, {now} AS now_ms"
         );
         // Where the relay names the `(state, ordering_key, ordering_seq, id)` index, a row without
-        // a key is also one without a number, so that the index gives them in id order.
+        // a key is also one without a number (the two inserts above write both or neither), so
+        // that the index gives them in id order. Only the `SELECT` of a take names it.
+        debug_assert!(!(dialect.outbox.pending_index_named && dialect.outbox.mark_on_take));
         let (pending, unkeyed) = if dialect.outbox.pending_index_named {
             (
                 format!("{o} FORCE INDEX ({})", table.index("outbox_pending", q)),
