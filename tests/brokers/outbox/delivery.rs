@@ -112,6 +112,29 @@ async fn rabbitmq_gets_each_message_persistent_with_the_outbox_id_and_unroutable
 /// be counted as returned.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rabbitmq_each_returned_message_is_its_own_publications_among_hundreds_in_flight() {
+    let options = crate::options()
+        .batch_size(200)
+        .attempts(1, Duration::from_millis(50));
+    each_returned_message_is_its_own(options).await;
+}
+
+/// The same with a relay that stops waiting for a confirmation after a millisecond: most
+/// publications go on without it (their channels carrying others' too), and a later publication
+/// of the message takes their outcome. Still only the unroutable messages are parked, and every
+/// routed one arrives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rabbitmq_each_returned_message_is_its_own_when_the_relay_stops_waiting_for_confirmations()
+{
+    let options = crate::options()
+        .batch_size(200)
+        .attempts(1, Duration::from_millis(50))
+        .publish_timeout(Duration::from_millis(1));
+    each_returned_message_is_its_own(options).await;
+}
+
+/// 400 routed and 40 unroutable messages, interleaved, relayed with `options` (one attempt):
+/// exactly the unroutable ones are parked, and each routed one arrives.
+async fn each_returned_message_is_its_own(options: idempotent::outbox::RelayOptions) {
     let _no_alarm = crate::ALARM.read().await;
     let (channel, queue) = crate::rabbitmq_queue(lapin::types::FieldTable::default()).await;
     let two = Two::new().await;
@@ -131,9 +154,6 @@ async fn rabbitmq_each_returned_message_is_its_own_publications_among_hundreds_i
     let publisher = idempotent::broker::rabbitmq::OutboxPublisher::connect(&crate::amqp_url())
         .await
         .unwrap();
-    let options = crate::options()
-        .batch_size(200)
-        .attempts(1, Duration::from_millis(50));
     let relay = two.producer.spawn_relay(publisher, options);
     two.until_published(400, 40).await;
     relay.shutdown().await;
