@@ -120,9 +120,8 @@ async fn rabbitmq_each_returned_message_is_its_own_publications_among_hundreds_i
 }
 
 /// The same with a relay that stops waiting for a confirmation after a millisecond: most
-/// publications go on without it (their channels carrying others' too), and a later publication
-/// of the message takes their outcome. Still only the unroutable messages are parked, and every
-/// routed one arrives.
+/// publications go on without it, and a later publication of the message takes their outcome.
+/// Still only the unroutable messages are parked, and every routed one arrives.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rabbitmq_each_returned_message_is_its_own_when_the_relay_stops_waiting_for_confirmations()
 {
