@@ -1,7 +1,7 @@
 //! What reaches the brokers: RabbitMQ gets every message persistent with the outbox id as
 //! `message_id` and its headers, an unroutable one is parked with `NO_ROUTE` (also the 40 among 440
-//! in flight, with the relay not waiting for confirmations, and in the publisher's bursts of 300
-//! on shared channels: each return its own publication's); JetStream stores
+//! in flight, with the relay not waiting for confirmations, and in the publisher's bursts of 300:
+//! each return its own publication's); JetStream stores
 //! every message once, a subject without a stream is parked; rows published a second time (as
 //! after a relay that died between the confirmation and marking them sent) reach a downstream
 //! `#[idempotent(key = "message_id")]` handler as duplicates, or are dropped by the stream itself.
@@ -186,10 +186,11 @@ async fn each_returned_message_is_its_own(options: idempotent::outbox::RelayOpti
 /// The publisher on its own, in bursts as a relay's batch sends them: 300 publications at once,
 /// every third to a queue that does not exist (through the default exchange, as the rest), twenty
 /// times. Each unroutable one is refused and each routed one confirmed, once: a return is never
-/// taken for another publication's, though publications share channels. With the routed
-/// messages this large, RabbitMQ confirms several at once after their returns, and lapin hands a
-/// return to whichever of their confirmations it completes first: trusting that, this test
-/// failed in 4 runs of 4 (2 to 6 publications wrong); matching returns by message id, it passes.
+/// taken for another publication's. With the routed messages this large, RabbitMQ confirms
+/// several at once after their returns, and lapin hands a return to whichever of their
+/// confirmations it completes first: channels shared by groups of publications that trusted that
+/// failed this test in 4 runs of 4 (2 to 6 publications wrong); the same groups with the returns
+/// matched by message id passed, as does a channel for each publication.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rabbitmq_publisher_bursts_each_return_its_own_publications() {
     use idempotent::outbox::{OutgoingMessage, Publication, PublishError, Publisher};

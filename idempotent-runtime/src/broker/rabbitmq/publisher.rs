@@ -6,9 +6,8 @@
 //! a channel kept for that, before it publishes there. A publication that was not confirmed in
 //! time (the relay dropped it: a blocked connection, a slow broker) goes on by itself, and the
 //! next publication of the same message waits for its confirmation instead of sending a second
-//! copy. Publications share channels in groups, each decided once its whole group is confirmed,
-//! with returns matched by message id ([`ConfirmChannels`]), so that a returned message is never
-//! taken for another's.
+//! copy. Each publication has a channel to itself until it is confirmed ([`ConfirmChannels`]), so
+//! that a returned message is never taken for another's.
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
@@ -34,10 +33,9 @@ const MAX_ABANDONED: usize = 10_000;
 /// Publishes a relay's outgoing messages to RabbitMQ (an [`outbox`](crate::outbox)
 /// [`Publisher`]): each message persistent (`delivery_mode` 2), `mandatory`, with its id as the
 /// `message_id` property and its headers as AMQP headers, on a channel in publisher-confirm mode
-/// shared by a group of publications, whose outcomes are decided once the group is confirmed:
-/// lapin hands a return to whichever confirmation of its channel it completes next, so returns
-/// are matched to publications by message id. `Ok` means the broker confirmed it (`basic.ack`),
-/// which for a durable queue means it is on disk.
+/// that carries no other unconfirmed publication (a returned message is then this one's: lapin
+/// hands a return to whichever confirmation of its channel it resolves next). `Ok` means the broker
+/// confirmed it (`basic.ack`), which for a durable queue means it is on disk.
 ///
 /// | the broker | the relay |
 /// |---|---|
@@ -380,9 +378,8 @@ fn send(channels: Arc<ConfirmChannels>, publication: &Publication) -> Confirming
     let exchange = ShortString::from(publication.destination.exchange.as_str());
     let routing_key = ShortString::from(publication.destination.routing_key.as_str());
     let payload = publication.payload.clone();
-    let message_id = publication.message_id.clone();
     Box::pin(async move {
-        let lent = channels.lend_shared(&message_id).await?;
+        let lent = channels.lend().await?;
         lent.publish(exchange, routing_key, &payload, properties)
             .await
     })
