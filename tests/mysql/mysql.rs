@@ -302,10 +302,9 @@ mod relay_reads {
         index_reads(pool).await - before
     }
 
-    /// Runs one relay batch of 100 after an [`analyze`], and checks that it read fewer than
-    /// 2,500 index entries, where reading through the rows it is `among` reads 5,000 or more.
+    /// Runs one relay batch of 100, and checks that it read fewer than 2,500 index entries, where
+    /// reading through the rows it is `among` reads 5,000 or more.
     async fn assert_a_batch_reads_little(inbox: &Inbox<MySql>, pool: &MySqlPool, among: &str) {
-        analyze(pool).await;
         let read = batch_reads(inbox, pool).await;
         assert!(read < 2_500, "{read} index entries read for {among}");
     }
@@ -328,6 +327,7 @@ mod relay_reads {
         }
         write(&inbox, 100, true).await;
         // Up to date: MariaDB's re-prepared statement kept its full scan after an `ANALYZE`.
+        analyze(&one).await;
         // Some hundreds (857 on MariaDB 10.11); every pending row is 5,000.
         assert_a_batch_reads_little(&inbox, &one, "100 of 5,000 pending rows").await;
     }
@@ -346,12 +346,8 @@ mod relay_reads {
             .unwrap();
         analyze(&one).await;
         write(&inbox, 100, true).await;
-        let read = batch_reads(&inbox, &one).await;
         // Some hundreds (857 on MariaDB 10.11); through `(state, sent_at)`, 5,608.
-        assert!(
-            read < 2_500,
-            "{read} index entries read for 100 of 5,000 pending rows"
-        );
+        assert_a_batch_reads_little(&inbox, &one, "100 of 5,000 pending rows").await;
     }
 
     /// Rows without a key, read in id order from the first pending one: neither the sent rows
@@ -367,9 +363,11 @@ mod relay_reads {
             batch_reads(&inbox, &one).await;
         }
         write(&inbox, 2, false).await;
+        analyze(&one).await;
         // Some hundreds (205 on MariaDB 10.11); the sent rows before them are 5,000.
         assert_a_batch_reads_little(&inbox, &one, "100 rows after 5,000 sent ones").await;
         write(&inbox, 100, false).await;
+        analyze(&one).await;
         let among = "100 of 5,000 pending rows after 5,100 sent ones";
         assert_a_batch_reads_little(&inbox, &one, among).await;
     }
