@@ -1,7 +1,9 @@
 //! The runners in bad weather, on real brokers: a RabbitMQ restart and a NATS restart in the
 //! middle of a stream (`scripts/rabbitmq restart`, `scripts/nats restart`, through
 //! `IDEMPOTENT_AMQP_CTL` and `IDEMPOTENT_NATS_CTL`, which those scripts print at start), and a
-//! RabbitMQ memory alarm that blocks the runner's publishes. Each case has the broker to itself
+//! RabbitMQ memory alarm that blocks the runner's publishes (twice: one of them holds a runner made
+//! from a channel, which must send nothing more until the broker confirmed what it gave up on).
+//! Each case has the broker to itself
 //! (one at a time, in a test binary of their own): a restart would break the other tests' runners
 //! made from a channel, which cannot reconnect.
 #![cfg(all(feature = "rabbitmq", feature = "nats", feature = "sqlite"))]
@@ -57,7 +59,9 @@ fn reconnects_recorded(broker: &str, source: &str) -> u64 {
 
 mod rabbitmq {
     use super::*;
+    use idempotent::broker::BeforeSettle;
     use idempotent::broker::rabbitmq::Runner;
+    use lapin::options::BasicGetOptions;
     use support::amqp::{amqp_url, depth, publish, queue, start};
 
     /// Issue 21: the RabbitMQ runner ended about 2 s after a broker restart. It reconnects by itself: every
@@ -164,7 +168,12 @@ mod rabbitmq {
         let (shutdown, running) = start(first, &shop);
         // Both publishes (a retry, a dead letter) are blocked: each times out, and its delivery
         // is handed back, while the alarm is still on.
-        eventually(Duration::from_secs(60), async || stats().released >= 2).await;
+        let t0 = std::time::Instant::now();
+        eventually(Duration::from_secs(60), async || {
+            eprintln!("DBG {:?} {:?}", t0.elapsed(), stats());
+            stats().released >= 2
+        })
+        .await;
         assert!(!running.is_finished());
         assert!(!shop.effects().await.contains_key("flaky"));
         shutdown.cancel();
@@ -186,6 +195,76 @@ mod rabbitmq {
         let effects = shop.effects().await;
         assert_eq!(effects.get("flaky"), Some(&1), "{effects:?}");
         assert!(!effects.contains_key("poison"));
+    }
+    /// A runner made from a channel publishes its retries and dead letters on that channel, and
+    /// lapin hands a returned message to whichever confirmation of the channel it resolves next.
+    /// A publish given up on is still confirmed later: had the channel been lent again before
+    /// that, the next publication's return could reach the confirmation given up on (a dead
+    /// letter to a queue that is gone would read as confirmed, and its message be acknowledged
+    /// and lost). So nothing more goes out on the channel until that confirmation came. A memory
+    /// alarm holds the first message's retry past its timeout; the second's, due while the first
+    /// is unconfirmed, must give up without being sent. When the alarm clears, each message is
+    /// retried once more: the delay queue then holds the first message twice (the copy given up
+    /// on came through) and the second once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_runner_on_one_channel_sends_nothing_while_a_publish_it_gave_up_on_is_unconfirmed() {
+        let _alone = ALONE.lock().await;
+        let (connection, channel, queue) = queue().await;
+        let shop = Shop::new().await;
+        publish(&channel, &queue, Some("first"), Kind::Flaky(1)).await;
+        publish(&channel, &queue, Some("second"), Kind::Flaky(1)).await;
+        let timeout = Duration::from_secs(2);
+        // Long enough that every copy is still in the delay queue at the end.
+        let policy = RetryPolicy::new(3, Duration::from_secs(600));
+        let delay = policy.delay_after(1);
+        // The second retry starts half a timeout after the first: it is due once the first is
+        // given up on, and still within its own timeout then.
+        let hook: BeforeSettle = std::sync::Arc::new(move |message, _| {
+            let later = message.message_id.to_string() == "second";
+            Box::pin(async move {
+                if later {
+                    tokio::time::sleep(timeout / 2).await;
+                }
+            })
+        });
+        let runner = Runner::new(connection.create_channel().await.unwrap(), &queue)
+            .workers(2)
+            .retry(policy)
+            .publish_timeout(timeout)
+            .before_settle(hook);
+        let stats = runner.stats();
+        broker_ctl("IDEMPOTENT_AMQP_CTL", "alarm on").await;
+        let alarm = Alarm;
+        let (shutdown, running) = start(runner, &shop);
+        eventually(Duration::from_secs(60), async || stats().released >= 2).await;
+        assert_eq!(stats().retried, 0);
+        drop(alarm);
+        // The channel's publications reach the broker in order: once both later retries are
+        // confirmed, whatever went out before them is in the delay queue.
+        eventually(Duration::from_secs(60), async || stats().retried >= 2).await;
+        shutdown.cancel();
+        let stats = running.await.unwrap().unwrap();
+        assert_eq!((stats.retried, stats.released), (2, 2), "{stats:?}");
+        let delay_queue = format!("{queue}.retry.{}ms", delay.as_millis());
+        let mut copies = Vec::new();
+        while let Some(copy) = channel
+            .basic_get(
+                delay_queue.as_str().into(),
+                BasicGetOptions { no_ack: true },
+            )
+            .await
+            .unwrap()
+        {
+            let id = copy.delivery.properties.message_id().clone().unwrap();
+            copies.push(id.to_string());
+        }
+        copies.sort();
+        assert_eq!(
+            copies,
+            ["first", "first", "second"],
+            "a retry went out while another was unconfirmed"
+        );
+        assert_eq!(depth(&connection, &queue).await, 0);
     }
 }
 

@@ -8,7 +8,10 @@
 //! another publication's confirmation, so that the unroutable message reads as confirmed (and is
 //! lost) and a routed one as returned. With one publication unconfirmed per channel there is no
 //! other confirmation for it to reach. [`ConfirmChannels`] keeps such channels: as many as are
-//! publishing at once, up to [`MAX_CHANNELS`], taken and given back per publication.
+//! publishing at once, up to [`MAX_CHANNELS`], taken and given back per publication. A
+//! publication given up on (its timeout) is still unconfirmed on its channel: a channel of the
+//! connection is then closed, and the only channel of a runner made from one is lent again once
+//! the broker has confirmed what it carries.
 
 use std::sync::{Arc, Mutex};
 
@@ -34,13 +37,15 @@ enum Source {
     Channel,
 }
 
-/// A channel lent to one publication: given back when its confirmation came, closed when it did
-/// not (a publication still unconfirmed on it could be confirmed with another's).
+/// A channel lent to one publication: given back when its confirmation came. When it did not (the
+/// publication was given up on), a publication still unconfirmed on it could be confirmed with
+/// another's: a channel of the connection is closed, and the only channel is given back once the
+/// broker has confirmed what it carries.
 pub(super) struct Lent {
     channel: Option<Channel>,
     channels: Arc<ConfirmChannels>,
     confirmed: bool,
-    _permit: OwnedSemaphorePermit,
+    permit: Option<OwnedSemaphorePermit>,
 }
 
 impl ConfirmChannels {
@@ -118,7 +123,7 @@ impl ConfirmChannels {
             channel: Some(channel),
             channels: self.clone(),
             confirmed: false,
-            _permit: permit,
+            permit: Some(permit),
         })
     }
 }
@@ -158,18 +163,32 @@ impl Drop for Lent {
         let Some(channel) = self.channel.take() else {
             return;
         };
-        match self.channels.source {
-            // Nothing unconfirmed on it, or it is the only one there is.
-            _ if self.confirmed => self.channels.idle().push(channel),
-            Source::Channel => self.channels.idle().push(channel),
-            Source::Connection(_) => {
-                // A publication may still be confirmed on it: it is closed, not lent again.
-                if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-                    runtime.spawn(async move {
-                        let _ = channel.close(200, "".into()).await;
-                    });
-                }
+        if self.confirmed {
+            // Nothing unconfirmed on it.
+            self.channels.idle().push(channel);
+            return;
+        }
+        match (&self.channels.source, tokio::runtime::Handle::try_current()) {
+            // It is closed, not lent again.
+            (Source::Connection(_), Ok(runtime)) => {
+                runtime.spawn(async move {
+                    let _ = channel.close(200, "".into()).await;
+                });
             }
+            (Source::Connection(_), Err(_)) => {}
+            // Lent again (the permit held until then) once the broker confirmed what it carries,
+            // or the channel failed: its trouble is the next publication's to meet.
+            (Source::Channel, Ok(runtime)) => {
+                let channels = self.channels.clone();
+                let permit = self.permit.take();
+                runtime.spawn(async move {
+                    let _ = channel.wait_for_confirms().await;
+                    channels.idle().push(channel);
+                    drop(permit);
+                });
+            }
+            // No runtime left to wait on, nor to publish with: it is only kept.
+            (Source::Channel, Err(_)) => self.channels.idle().push(channel),
         }
     }
 }
