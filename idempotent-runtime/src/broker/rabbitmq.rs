@@ -260,3 +260,15 @@ impl Runner {
         Ok(self.options.counters.snapshot())
     }
 }
+
+/// Whether `error` is the broker's refusal of what was asked on a channel (a channel-level error,
+/// after which RabbitMQ closes that channel: a missing queue or exchange, a queue declared with
+/// other arguments or held exclusively elsewhere, no permission, a message over
+/// `max_message_size`), as opposed to a lost connection.
+fn is_refusal(error: &lapin::Error) -> bool {
+    matches!(
+        error.kind(),
+        lapin::ErrorKind::ProtocolError(amqp)
+            if matches!(amqp.kind(), lapin::protocol::AMQPErrorKind::Soft(_))
+    )
+}

@@ -1,10 +1,10 @@
 //! One bad destination stays its own trouble: a row to an exchange that does not exist, to a
-//! subject no stream captures, to a full queue or stream that refuses it, is parked after its
-//! attempts with the broker's reason, while every other row goes out.
+//! subject no stream captures, to a full queue or stream that refuses it, or too large for the
+//! broker, is parked after its attempts with the broker's reason, while every other row goes out.
 
 use std::time::Duration;
 
-use idempotent::outbox::Destination;
+use idempotent::outbox::{Destination, Outbox, OutgoingMessage};
 
 use crate::{
     Two, amqp_url, each_at_least_once, options, rabbitmq_ids, rabbitmq_queue, rabbitmqctl,
@@ -173,6 +173,78 @@ async fn rabbitmq_an_exchange_the_user_may_not_publish_to_is_parked_and_holds_up
     );
     let reason = parked[0].last_error.clone().unwrap();
     assert!(reason.contains("ACCESS_REFUSED"), "{reason}");
+    each_at_least_once(&rabbitmq_ids(&channel, &queue).await, &ids);
+}
+
+/// The broker's `max_message_size`, lowered for one case and put back to RabbitMQ's default when
+/// dropped. Only messages larger than it are refused (no other test sends one over 1 MiB to
+/// RabbitMQ), and channels opened after the change have it.
+struct MaxMessageSize;
+
+impl MaxMessageSize {
+    const LOWERED: usize = 1024 * 1024;
+    const DEFAULT: usize = 128 * 1024 * 1024;
+
+    fn lower() -> Self {
+        rabbitmqctl(&Self::eval(Self::LOWERED));
+        Self
+    }
+
+    fn eval(bytes: usize) -> String {
+        format!("eval 'application:set_env(rabbit, max_message_size, {bytes}).'")
+    }
+}
+
+impl Drop for MaxMessageSize {
+    fn drop(&mut self) {
+        if let Err(error) = crate::try_rabbitmqctl(&Self::eval(Self::DEFAULT)) {
+            eprintln!("{error}");
+        }
+    }
+}
+
+/// One row larger than the broker's `max_message_size`, the oldest, ahead of 100 good rows:
+/// RabbitMQ answers 406 and closes the channel, naming no exchange. It is parked after its
+/// attempts with the broker's reason, and the 100 rows go out. (It was left pending with no
+/// attempt counted, sent again at every batch for ever.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rabbitmq_a_message_over_the_brokers_size_limit_is_parked_and_holds_up_no_other_row() {
+    // The limit is the broker's: no other case of this binary runs meanwhile.
+    let _alone = crate::ALARM.write().await;
+    let (channel, queue) = rabbitmq_queue(lapin::types::FieldTable::default()).await;
+    let _limit = MaxMessageSize::lower();
+    let two = Two::new().await;
+    let mut outbox = Outbox::new("huge", "huge-0").unwrap();
+    outbox.send(OutgoingMessage::new(
+        Destination::queue(queue.clone()),
+        vec![b'x'; 2 * MaxMessageSize::LOWERED],
+    ));
+    let huge = Outbox::derived_id("huge", &idempotent::message_key("huge-0").unwrap(), 0);
+    let mut tx = two.producer.pool().begin().await.unwrap();
+    two.producer.enqueue(&mut tx, outbox).await.unwrap();
+    tx.commit().await.unwrap();
+    let ids = two
+        .orders("paid", 100, &Destination::queue(queue.clone()))
+        .await;
+    let publisher = idempotent::broker::rabbitmq::OutboxPublisher::connect(&amqp_url())
+        .await
+        .unwrap();
+    let relay = two
+        .producer
+        .spawn_relay(publisher, options().batch_size(50));
+    two.until_published(100, 1).await;
+    relay.shutdown().await;
+    let parked = two.producer.parked_messages(None, 10).await.unwrap();
+    assert_eq!(parked.len(), 1);
+    assert_eq!(
+        (parked[0].message_id.as_str(), parked[0].attempts),
+        (huge.as_str(), 2)
+    );
+    let reason = parked[0].last_error.clone().unwrap();
+    assert!(
+        reason.contains("406") && reason.contains("max size"),
+        "{reason}"
+    );
     each_at_least_once(&rabbitmq_ids(&channel, &queue).await, &ids);
 }
 

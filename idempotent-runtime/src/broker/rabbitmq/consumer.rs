@@ -15,6 +15,7 @@ use lapin::{Channel, Connection};
 
 use super::confirms::ConfirmChannels;
 use super::delivery::{AmqpDelivery, RunnerSetup, SessionContext};
+use super::is_refusal;
 use crate::broker::error::BrokerError;
 use crate::broker::outage::Outage;
 
@@ -276,17 +277,6 @@ impl ReconnectingConsumer {
             }
         }
     }
-}
-
-/// Whether `error` is the broker's refusal of what the runner asked (a channel-level error: a
-/// missing queue, a queue declared with other arguments, one held exclusively elsewhere), as
-/// opposed to a lost connection.
-fn is_refusal(error: &lapin::Error) -> bool {
-    matches!(
-        error.kind(),
-        lapin::ErrorKind::ProtocolError(amqp)
-            if matches!(amqp.kind(), lapin::protocol::AMQPErrorKind::Soft(_))
-    )
 }
 
 /// Declares a durable queue with `arguments`.

@@ -7,7 +7,8 @@
 //! time (the relay dropped it: a blocked connection, a slow broker) goes on by itself, and the
 //! next publication of the same message waits for its confirmation instead of sending a second
 //! copy. Each publication has a channel to itself until it is confirmed ([`ConfirmChannels`]), so
-//! that a returned message is never taken for another's.
+//! that a returned message is never taken for another's, and a refusal that closes the channel (a
+//! message over the broker's `max_message_size`) is that publication's alone.
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
@@ -24,6 +25,7 @@ use tokio::sync::Mutex;
 use tokio::task::JoinHandle;
 
 use super::confirms::ConfirmChannels;
+use super::is_refusal;
 use crate::broker::error::BrokerError;
 use crate::outbox::{Publication, PublishError, Publisher};
 
@@ -41,7 +43,7 @@ const MAX_ABANDONED: usize = 10_000;
 /// |---|---|
 /// | acknowledges | marks the row sent |
 /// | returns it unroutable (no queue bound for the routing key), then acknowledges | [`PublishError::Rejected`]: an attempt; parked after the last |
-/// | has no such exchange (404), or refuses this user access to it (403) | [`PublishError::Rejected`], as above |
+/// | refuses it and closes its channel: no such exchange (404), no access to it for this user (403), a message over its `max_message_size` (406) | [`PublishError::Rejected`], as above, with the broker's code and reason |
 /// | negatively acknowledges (`basic.nack`: a full queue that rejects publishes) | [`PublishError::Rejected`]: an attempt, the row's own back-off; parked after the last |
 /// | blocks the connection (`connection.blocked`: a memory or disk alarm) | [`PublishError::Unavailable`] at once, nothing sent: left pending |
 /// | a closed channel or connection | [`PublishError::Unavailable`]: left pending; a publisher made with [`connect`](Self::connect) connects again for the next message |
@@ -256,8 +258,7 @@ impl OutboxPublisher {
                 self.exchanges().insert(exchange.to_owned());
                 Ok(())
             }
-            Err(error) => Err(refused_exchange(&error, exchange)
-                .unwrap_or_else(|| PublishError::unavailable(error))),
+            Err(error) => Err(refusal(&error).unwrap_or_else(|| PublishError::unavailable(error))),
         }
     }
 
@@ -288,16 +289,17 @@ impl OutboxPublisher {
     }
 }
 
-/// Returns the broker's refusal of `exchange` that `error` is, if it is one: RabbitMQ has no such
-/// exchange (404) or refuses this user access to it (403), and closed the channel that named it.
-fn refused_exchange(error: &lapin::Error, exchange: &str) -> Option<PublishError> {
-    let ErrorKind::ProtocolError(amqp) = error.kind() else {
-        return None;
-    };
-    let text = amqp.get_message().as_str();
-    let names_it = text.contains(&format!("exchange '{exchange}'"));
-    (matches!(amqp.get_id(), 403 | 404) && names_it)
-        .then(|| PublishError::rejected(format!("{} {text}", amqp.get_id())))
+/// Returns the broker's refusal that `error` is, if it is one ([`is_refusal`]: RabbitMQ closed the
+/// channel), as [`PublishError::Rejected`] with the broker's code and reason. The channel carried
+/// one publication or one exchange check, so the refusal is that one's: no such exchange (404), no
+/// access to it (403), a message over `max_message_size` (406).
+fn refusal(error: &lapin::Error) -> Option<PublishError> {
+    match error.kind() {
+        ErrorKind::ProtocolError(amqp) if is_refusal(error) => Some(PublishError::rejected(
+            format!("{} {}", amqp.get_id(), amqp.get_message()),
+        )),
+        _ => None,
+    }
 }
 
 impl Publisher for OutboxPublisher {
@@ -331,8 +333,9 @@ impl Publisher for OutboxPublisher {
         let confirmation = match confirmation {
             Ok(confirmation) => confirmation,
             Err(error) => {
-                return Err(match refused_exchange(&error, exchange) {
+                return Err(match refusal(&error) {
                     Some(refused) => {
+                        // Checked again before the next publication there: it may be gone.
                         self.exchanges().remove(exchange);
                         refused
                     }
