@@ -3,9 +3,8 @@
 //! `IDEMPOTENT_AMQP_CTL` and `IDEMPOTENT_NATS_CTL`, which those scripts print at start), and a
 //! RabbitMQ memory alarm that blocks the runner's publishes (twice: one of them holds a runner made
 //! from a channel, which must send nothing more until the broker confirmed what it gave up on).
-//! Each case has the broker to itself
-//! (one at a time, in a test binary of their own): a restart would break the other tests' runners
-//! made from a channel, which cannot reconnect.
+//! Each case has the broker to itself (one at a time, in a test binary of their own): a restart
+//! would break the other tests' runners made from a channel, which cannot reconnect.
 #![cfg(all(feature = "rabbitmq", feature = "nats", feature = "sqlite"))]
 
 mod support;
@@ -168,12 +167,7 @@ mod rabbitmq {
         let (shutdown, running) = start(first, &shop);
         // Both publishes (a retry, a dead letter) are blocked: each times out, and its delivery
         // is handed back, while the alarm is still on.
-        let t0 = std::time::Instant::now();
-        eventually(Duration::from_secs(60), async || {
-            eprintln!("DBG {:?} {:?}", t0.elapsed(), stats());
-            stats().released >= 2
-        })
-        .await;
+        eventually(Duration::from_secs(60), async || stats().released >= 2).await;
         assert!(!running.is_finished());
         assert!(!shop.effects().await.contains_key("flaky"));
         shutdown.cancel();

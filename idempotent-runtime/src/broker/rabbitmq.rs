@@ -164,8 +164,10 @@ impl Runner {
 
     /// Creates a runner consuming `queue` on `channel`, with one worker, the default
     /// [`RetryPolicy`](super::RetryPolicy) and dead letters to `<queue>.dead`. The queue must exist. It cannot
-    /// reconnect: when the channel is lost it returns [`BrokerError::Broker`]. Prefer
-    /// [`connect`](Self::connect).
+    /// reconnect: when the channel is lost it returns [`BrokerError::Broker`]. It publishes its
+    /// retries and dead letters on that channel, one at a time: publish nothing else on it (a
+    /// returned message is known to be the runner's only while nothing else awaits a confirmation
+    /// there). Prefer [`connect`](Self::connect).
     pub fn new(channel: Channel, queue: impl Into<String>) -> Self {
         Self::from_source(ChannelSource::Channel(Some(channel)), queue.into())
     }

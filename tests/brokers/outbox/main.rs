@@ -231,26 +231,25 @@ fn each_at_least_once(got: &[String], expected: &[String]) -> usize {
 }
 
 /// Runs `rabbitmqctl` on the test broker's node (`IDEMPOTENT_AMQP_CTL`, which `scripts/rabbitmq
-/// start` prints).
-fn rabbitmqctl(args: &str) {
-    if let Err(error) = try_rabbitmqctl(args) {
-        panic!("{error}");
-    }
+/// start` prints); returns what it printed.
+fn rabbitmqctl(args: &str) -> String {
+    try_rabbitmqctl(args).unwrap_or_else(|error| panic!("{error}"))
 }
 
 /// [`rabbitmqctl`] for a `Drop` (a panic there, while a failed test unwinds, would abort the run):
 /// says what failed instead of panicking.
-fn try_rabbitmqctl(args: &str) -> Result<(), String> {
+fn try_rabbitmqctl(args: &str) -> Result<String, String> {
     let ctl = std::env::var("IDEMPOTENT_AMQP_CTL").map_err(|_| {
         "IDEMPOTENT_AMQP_CTL is not set: run the tests with scripts/test".to_owned()
     })?;
-    let status = std::process::Command::new("sh")
+    let output = std::process::Command::new("sh")
         .arg("-c")
         .arg(format!("{ctl} ctl {args}"))
-        .status()
+        .stderr(std::process::Stdio::inherit())
+        .output()
         .map_err(|error| format!("rabbitmqctl {args}: {error}"))?;
-    match status.success() {
-        true => Ok(()),
-        false => Err(format!("rabbitmqctl {args}: {status}")),
+    match output.status.success() {
+        true => Ok(String::from_utf8_lossy(&output.stdout).into_owned()),
+        false => Err(format!("rabbitmqctl {args}: {}", output.status)),
     }
 }

@@ -176,28 +176,36 @@ async fn rabbitmq_an_exchange_the_user_may_not_publish_to_is_parked_and_holds_up
     each_at_least_once(&rabbitmq_ids(&channel, &queue).await, &ids);
 }
 
-/// The broker's `max_message_size`, lowered for one case and put back to RabbitMQ's default when
-/// dropped. Only messages larger than it are refused (no other test sends one over 1 MiB to
-/// RabbitMQ), and channels opened after the change have it.
-struct MaxMessageSize;
+/// The broker's `max_message_size`, lowered for one case and put back as it was when dropped.
+/// Only messages larger than it are refused (no other test sends one over 1 MiB to RabbitMQ), and
+/// only on channels opened while it is lowered: RabbitMQ reads it when a channel opens.
+struct MaxMessageSize {
+    was: u64,
+}
 
 impl MaxMessageSize {
     const LOWERED: usize = 1024 * 1024;
-    const DEFAULT: usize = 128 * 1024 * 1024;
 
     fn lower() -> Self {
-        rabbitmqctl(&Self::eval(Self::LOWERED));
-        Self
+        let was = rabbitmqctl("eval 'application:get_env(rabbit, max_message_size).'");
+        let was = was
+            .trim()
+            .strip_prefix("{ok,")
+            .and_then(|rest| rest.strip_suffix('}'))
+            .and_then(|bytes| bytes.parse().ok())
+            .unwrap_or_else(|| panic!("max_message_size: {was}"));
+        rabbitmqctl(&Self::set(Self::LOWERED as u64));
+        Self { was }
     }
 
-    fn eval(bytes: usize) -> String {
+    fn set(bytes: u64) -> String {
         format!("eval 'application:set_env(rabbit, max_message_size, {bytes}).'")
     }
 }
 
 impl Drop for MaxMessageSize {
     fn drop(&mut self) {
-        if let Err(error) = crate::try_rabbitmqctl(&Self::eval(Self::DEFAULT)) {
+        if let Err(error) = crate::try_rabbitmqctl(&Self::set(self.was)) {
             eprintln!("{error}");
         }
     }
@@ -206,13 +214,15 @@ impl Drop for MaxMessageSize {
 /// One row larger than the broker's `max_message_size`, the oldest, ahead of 100 good rows:
 /// RabbitMQ answers 406 and closes the channel, naming no exchange. It is parked after its
 /// attempts with the broker's reason, and the 100 rows go out. (It was left pending with no
-/// attempt counted, sent again at every batch for ever.)
+/// attempt counted, sent again at every batch for ever.) Then the limit is raised again and the
+/// row retried: it goes out, on a channel opened under the raised limit (the publisher's channels
+/// opened under the lowered one were closed at the refusal).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rabbitmq_a_message_over_the_brokers_size_limit_is_parked_and_holds_up_no_other_row() {
     // The limit is the broker's: no other case of this binary runs meanwhile.
     let _alone = crate::ALARM.write().await;
     let (channel, queue) = rabbitmq_queue(lapin::types::FieldTable::default()).await;
-    let _limit = MaxMessageSize::lower();
+    let limit = MaxMessageSize::lower();
     let two = Two::new().await;
     let mut outbox = Outbox::new("huge", "huge-0").unwrap();
     outbox.send(OutgoingMessage::new(
@@ -223,7 +233,7 @@ async fn rabbitmq_a_message_over_the_brokers_size_limit_is_parked_and_holds_up_n
     let mut tx = two.producer.pool().begin().await.unwrap();
     two.producer.enqueue(&mut tx, outbox).await.unwrap();
     tx.commit().await.unwrap();
-    let ids = two
+    let mut ids = two
         .orders("paid", 100, &Destination::queue(queue.clone()))
         .await;
     let publisher = idempotent::broker::rabbitmq::OutboxPublisher::connect(&amqp_url())
@@ -233,7 +243,6 @@ async fn rabbitmq_a_message_over_the_brokers_size_limit_is_parked_and_holds_up_n
         .producer
         .spawn_relay(publisher, options().batch_size(50));
     two.until_published(100, 1).await;
-    relay.shutdown().await;
     let parked = two.producer.parked_messages(None, 10).await.unwrap();
     assert_eq!(parked.len(), 1);
     assert_eq!(
@@ -245,6 +254,99 @@ async fn rabbitmq_a_message_over_the_brokers_size_limit_is_parked_and_holds_up_n
         reason.contains("406") && reason.contains("max size"),
         "{reason}"
     );
+    drop(limit);
+    assert!(two.producer.retry_parked(parked[0].row).await.unwrap());
+    two.until_published(101, 0).await;
+    relay.shutdown().await;
+    ids.push(huge);
+    each_at_least_once(&rabbitmq_ids(&channel, &queue).await, &ids);
+}
+
+/// A TCP proxy in front of the test broker that, on each of the first `times` connections through
+/// it, adds a `basic.ack` of a delivery tag nobody published after the broker's `after`-th: a
+/// broker (or something between) that acknowledges what was never sent. Returns the URL to
+/// connect to through it.
+async fn forging_acknowledgements(after: usize, times: usize) -> String {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::{TcpListener, TcpStream};
+
+    let url = amqp_url();
+    let (scheme, rest) = url.split_once("://").unwrap();
+    let (credentials, rest) = rest.split_once('@').unwrap();
+    let (broker, vhost) = rest.split_once('/').unwrap_or((rest, ""));
+    let broker = broker.to_owned();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let connections = Arc::new(AtomicUsize::new(0));
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            let Ok(server) = TcpStream::connect(&broker).await else {
+                continue;
+            };
+            let mut forge = connections.fetch_add(1, Ordering::SeqCst) < times;
+            tokio::spawn(async move {
+                let (mut from_client, mut to_client) = client.into_split();
+                let (mut from_server, mut to_server) = server.into_split();
+                tokio::spawn(async move {
+                    let _ = tokio::io::copy(&mut from_client, &mut to_server).await;
+                });
+                let mut acks = 0;
+                loop {
+                    // A frame: type, channel (2 bytes), size (4), payload, end octet.
+                    let mut header = [0u8; 7];
+                    if from_server.read_exact(&mut header).await.is_err() {
+                        return;
+                    }
+                    let size = u32::from_be_bytes(header[3..7].try_into().unwrap()) as usize;
+                    let mut frame = header.to_vec();
+                    frame.resize(7 + size + 1, 0);
+                    if from_server.read_exact(&mut frame[7..]).await.is_err() {
+                        return;
+                    }
+                    // A method frame of class 60 (basic), method 80 (ack).
+                    if header[0] == 1 && size >= 4 && frame[7..11] == [0, 60, 0, 80] {
+                        acks += 1;
+                        if forge && acks == after {
+                            forge = false;
+                            frame.extend_from_slice(&[1, header[1], header[2], 0, 0, 0, 13]);
+                            frame.extend_from_slice(&[0, 60, 0, 80]);
+                            frame.extend_from_slice(&(1u64 << 40).to_be_bytes());
+                            frame.extend_from_slice(&[0, 0xCE]);
+                        }
+                    }
+                    if to_client.write_all(&frame).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    format!("{scheme}://{credentials}@127.0.0.1:{port}/{vhost}")
+}
+
+/// lapin fails a connection whose broker acknowledges a publication never sent, and every
+/// publication in flight on every one of its channels with that error, which carries a channel's
+/// code (406). That is no publication's refusal: no row counts an attempt for it, none is parked,
+/// and all 400 go out on the connections made again (four of them were failed that way).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rabbitmq_a_connection_failed_by_a_forged_acknowledgement_parks_no_row() {
+    let _no_alarm = crate::ALARM.read().await;
+    let (channel, queue) = rabbitmq_queue(lapin::types::FieldTable::default()).await;
+    let two = Two::new().await;
+    let ids = two
+        .orders("paid", 400, &Destination::queue(queue.clone()))
+        .await;
+    let url = forging_acknowledgements(5, 4).await;
+    let publisher = idempotent::broker::rabbitmq::OutboxPublisher::connect(&url)
+        .await
+        .unwrap();
+    let relay = two
+        .producer
+        .spawn_relay(publisher, options().batch_size(50));
+    two.until_published(400, 0).await;
+    relay.shutdown().await;
     each_at_least_once(&rabbitmq_ids(&channel, &queue).await, &ids);
 }
 

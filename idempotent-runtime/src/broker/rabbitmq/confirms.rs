@@ -84,6 +84,22 @@ impl ConfirmChannels {
         }
     }
 
+    /// Closes the channels of the connection not lent: the next publications open new ones. (The
+    /// only channel stays.)
+    pub(super) fn close_idle(&self) {
+        if !matches!(self.source, Source::Connection(_)) {
+            return;
+        }
+        let idle = std::mem::take(&mut *self.idle());
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                for channel in idle {
+                    let _ = channel.close(200, "".into()).await;
+                }
+            });
+        }
+    }
+
     fn idle(&self) -> std::sync::MutexGuard<'_, Vec<Channel>> {
         self.idle.lock().unwrap_or_else(|e| e.into_inner())
     }

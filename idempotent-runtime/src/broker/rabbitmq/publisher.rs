@@ -46,7 +46,7 @@ const MAX_ABANDONED: usize = 10_000;
 /// | refuses it and closes its channel: no such exchange (404), no access to it for this user (403), a message over its `max_message_size` (406) | [`PublishError::Rejected`], as above, with the broker's code and reason |
 /// | negatively acknowledges (`basic.nack`: a full queue that rejects publishes) | [`PublishError::Rejected`]: an attempt, the row's own back-off; parked after the last |
 /// | blocks the connection (`connection.blocked`: a memory or disk alarm) | [`PublishError::Unavailable`] at once, nothing sent: left pending |
-/// | a closed channel or connection | [`PublishError::Unavailable`]: left pending; a publisher made with [`connect`](Self::connect) connects again for the next message |
+/// | a closed channel or connection (whatever code the error that closed the connection carries) | [`PublishError::Unavailable`]: left pending; a publisher made with [`connect`](Self::connect) connects again for the next message |
 ///
 /// A publication the relay gave up on (no confirmation within its `publish_timeout`) is not
 /// forgotten: it goes on, and the next publication of that message on the same connection waits
@@ -258,7 +258,9 @@ impl OutboxPublisher {
                 self.exchanges().insert(exchange.to_owned());
                 Ok(())
             }
-            Err(error) => Err(refusal(&error).unwrap_or_else(|| PublishError::unavailable(error))),
+            Err(error) => {
+                Err(refusal(&error, connection).unwrap_or_else(|| PublishError::unavailable(error)))
+            }
         }
     }
 
@@ -292,12 +294,19 @@ impl OutboxPublisher {
 /// Returns the broker's refusal that `error` is, if it is one ([`is_refusal`]: RabbitMQ closed the
 /// channel), as [`PublishError::Rejected`] with the broker's code and reason. The channel carried
 /// one publication or one exchange check, so the refusal is that one's: no such exchange (404), no
-/// access to it (403), a message over `max_message_size` (406).
-fn refusal(error: &lapin::Error) -> Option<PublishError> {
+/// access to it (403), a message over `max_message_size` (406). Not while `connection` is closed:
+/// lapin fails every channel of a connection with the error that closed it, which can carry a
+/// channel's code (its own 406 for a broker's acknowledgement of a publication never sent), and
+/// that is no publication's fault.
+fn refusal(error: &lapin::Error, connection: &Connection) -> Option<PublishError> {
     match error.kind() {
-        ErrorKind::ProtocolError(amqp) if is_refusal(error) => Some(PublishError::rejected(
-            format!("{} {}", amqp.get_id(), amqp.get_message()),
-        )),
+        ErrorKind::ProtocolError(amqp) if is_refusal(error) && connection.status().connected() => {
+            Some(PublishError::rejected(format!(
+                "{} {}",
+                amqp.get_id(),
+                amqp.get_message()
+            )))
+        }
         _ => None,
     }
 }
@@ -320,7 +329,7 @@ impl Publisher for OutboxPublisher {
                     }
                     self.check_exchange(connection, exchange).await?;
                 }
-                let confirming = send(channels, publication);
+                let confirming = send(channels.clone(), publication);
                 let mut in_flight = InFlight {
                     publisher: self,
                     message_id: &publication.message_id,
@@ -333,10 +342,16 @@ impl Publisher for OutboxPublisher {
         let confirmation = match confirmation {
             Ok(confirmation) => confirmation,
             Err(error) => {
-                return Err(match refusal(&error) {
+                let refused = channels
+                    .connection()
+                    .and_then(|connection| refusal(&error, connection));
+                return Err(match refused {
                     Some(refused) => {
                         // Checked again before the next publication there: it may be gone.
                         self.exchanges().remove(exchange);
+                        // Opened again: what the broker read at their opening (its
+                        // `max_message_size`) may have changed since.
+                        channels.close_idle();
                         refused
                     }
                     None => PublishError::unavailable(error),
