@@ -10,6 +10,30 @@ use crate::{
     Two, amqp_url, each_at_least_once, options, rabbitmq_ids, rabbitmq_queue, rabbitmqctl,
 };
 
+/// Asserts that the outbox has one parked message, `id`, after `attempts` attempts, its reason
+/// containing each of `reason`; returns its row.
+async fn the_one_parked(two: &Two, id: &str, attempts: u32, reason: &[&str]) -> i64 {
+    let parked = two.producer.parked_messages(None, 10).await.unwrap();
+    assert_eq!(parked.len(), 1, "{parked:?}");
+    assert_eq!(
+        (parked[0].message_id.as_str(), parked[0].attempts),
+        (id, attempts)
+    );
+    let last = parked[0].last_error.clone().unwrap();
+    assert!(reason.iter().all(|part| last.contains(part)), "{last}");
+    parked[0].row
+}
+
+/// A relay of `two`'s producer, in batches of 50, to RabbitMQ at `url` through a publisher with a
+/// connection of its own.
+async fn relay_to_rabbitmq(two: &Two, url: &str) -> idempotent::outbox::Relay {
+    let publisher = idempotent::broker::rabbitmq::OutboxPublisher::connect(url)
+        .await
+        .unwrap();
+    two.producer
+        .spawn_relay(publisher, options().batch_size(50))
+}
+
 /// One row addressed to an exchange that does not exist, the oldest, among 200 good rows: the
 /// broker closes a channel that publishes to a missing exchange (404), which must not take the
 /// others down with it. Every good row is published, and the bad one is parked with the broker's
@@ -24,20 +48,10 @@ async fn rabbitmq_a_missing_exchange_is_parked_and_holds_up_none_of_200_other_ro
     let ids = two
         .orders("paid", 200, &Destination::queue(queue.clone()))
         .await;
-    let publisher = idempotent::broker::rabbitmq::OutboxPublisher::connect(&amqp_url())
-        .await
-        .unwrap();
-    let relay = two
-        .producer
-        .spawn_relay(publisher, options().batch_size(50));
+    let relay = relay_to_rabbitmq(&two, &amqp_url()).await;
     two.until_published(200, 1).await;
     relay.shutdown().await;
-    let parked = two.producer.parked_messages(None, 10).await.unwrap();
-    assert_eq!(parked.len(), 1);
-    assert_eq!(parked[0].message_id, lost[0]);
-    assert_eq!(parked[0].attempts, 2);
-    let reason = parked[0].last_error.clone().unwrap();
-    assert!(reason.contains("NOT_FOUND"), "{reason}");
+    the_one_parked(&two, &lost[0], 2, &["NOT_FOUND"]).await;
     each_at_least_once(&rabbitmq_ids(&channel, &queue).await, &ids);
 }
 
@@ -75,12 +89,7 @@ async fn rabbitmq_an_exchange_deleted_under_the_relay_is_parked_and_the_channel_
     let two = Two::new().await;
     let doomed = Destination::exchange(exchange.clone(), "paid");
     let mut ids = two.orders("before", 5, &doomed).await;
-    let publisher = idempotent::broker::rabbitmq::OutboxPublisher::connect(&amqp_url())
-        .await
-        .unwrap();
-    let relay = two
-        .producer
-        .spawn_relay(publisher, options().batch_size(50));
+    let relay = relay_to_rabbitmq(&two, &amqp_url()).await;
     two.until_published(5, 0).await;
 
     channel
@@ -94,14 +103,7 @@ async fn rabbitmq_an_exchange_deleted_under_the_relay_is_parked_and_the_channel_
     );
     two.until_published(105, 1).await;
     relay.shutdown().await;
-    let parked = two.producer.parked_messages(None, 10).await.unwrap();
-    assert_eq!(parked.len(), 1);
-    assert_eq!(
-        (parked[0].message_id.as_str(), parked[0].attempts),
-        (lost[0].as_str(), 2)
-    );
-    let reason = parked[0].last_error.clone().unwrap();
-    assert!(reason.contains("NOT_FOUND"), "{reason}");
+    the_one_parked(&two, &lost[0], 2, &["NOT_FOUND"]).await;
     each_at_least_once(&rabbitmq_ids(&channel, &queue).await, &ids);
 }
 
@@ -157,22 +159,10 @@ async fn rabbitmq_an_exchange_the_user_may_not_publish_to_is_parked_and_holds_up
     let ids = two
         .orders("paid", 100, &Destination::queue(queue.clone()))
         .await;
-    let publisher = idempotent::broker::rabbitmq::OutboxPublisher::connect(&url)
-        .await
-        .unwrap();
-    let relay = two
-        .producer
-        .spawn_relay(publisher, options().batch_size(50));
+    let relay = relay_to_rabbitmq(&two, &url).await;
     two.until_published(100, 1).await;
     relay.shutdown().await;
-    let parked = two.producer.parked_messages(None, 10).await.unwrap();
-    assert_eq!(parked.len(), 1);
-    assert_eq!(
-        (parked[0].message_id.as_str(), parked[0].attempts),
-        (lost[0].as_str(), 2)
-    );
-    let reason = parked[0].last_error.clone().unwrap();
-    assert!(reason.contains("ACCESS_REFUSED"), "{reason}");
+    the_one_parked(&two, &lost[0], 2, &["ACCESS_REFUSED"]).await;
     each_at_least_once(&rabbitmq_ids(&channel, &queue).await, &ids);
 }
 
@@ -236,26 +226,11 @@ async fn rabbitmq_a_message_over_the_brokers_size_limit_is_parked_and_holds_up_n
     let mut ids = two
         .orders("paid", 100, &Destination::queue(queue.clone()))
         .await;
-    let publisher = idempotent::broker::rabbitmq::OutboxPublisher::connect(&amqp_url())
-        .await
-        .unwrap();
-    let relay = two
-        .producer
-        .spawn_relay(publisher, options().batch_size(50));
+    let relay = relay_to_rabbitmq(&two, &amqp_url()).await;
     two.until_published(100, 1).await;
-    let parked = two.producer.parked_messages(None, 10).await.unwrap();
-    assert_eq!(parked.len(), 1);
-    assert_eq!(
-        (parked[0].message_id.as_str(), parked[0].attempts),
-        (huge.as_str(), 2)
-    );
-    let reason = parked[0].last_error.clone().unwrap();
-    assert!(
-        reason.contains("406") && reason.contains("max size"),
-        "{reason}"
-    );
+    let row = the_one_parked(&two, &huge, 2, &["406", "max size"]).await;
     drop(limit);
-    assert!(two.producer.retry_parked(parked[0].row).await.unwrap());
+    assert!(two.producer.retry_parked(row).await.unwrap());
     two.until_published(101, 0).await;
     relay.shutdown().await;
     ids.push(huge);
@@ -339,12 +314,7 @@ async fn rabbitmq_a_connection_failed_by_a_forged_acknowledgement_parks_no_row()
         .orders("paid", 400, &Destination::queue(queue.clone()))
         .await;
     let url = forging_acknowledgements(5, 4).await;
-    let publisher = idempotent::broker::rabbitmq::OutboxPublisher::connect(&url)
-        .await
-        .unwrap();
-    let relay = two
-        .producer
-        .spawn_relay(publisher, options().batch_size(50));
+    let relay = relay_to_rabbitmq(&two, &url).await;
     two.until_published(400, 0).await;
     relay.shutdown().await;
     each_at_least_once(&rabbitmq_ids(&channel, &queue).await, &ids);
@@ -378,12 +348,7 @@ async fn jetstream_a_subject_without_a_stream_is_parked_and_holds_up_none_of_200
         .spawn_relay(publisher, options().batch_size(50));
     two.until_published(200, 1).await;
     relay.shutdown().await;
-    let parked = two.producer.parked_messages(None, 10).await.unwrap();
-    assert_eq!(parked.len(), 1);
-    assert_eq!(
-        (parked[0].message_id.as_str(), parked[0].attempts),
-        (lost[0].as_str(), 2)
-    );
+    the_one_parked(&two, &lost[0], 2, &[]).await;
     let mut info = context.get_stream(format!("O_{prefix}")).await.unwrap();
     assert_eq!(info.info().await.unwrap().state.messages, 200);
 }
@@ -438,14 +403,7 @@ async fn rabbitmq_a_full_queue_refusing_publishes_backs_off_alone_while_the_rest
         .attempts(3, Duration::from_millis(200));
     let relay = two.producer.spawn_relay(publisher, options);
     two.until_published(1000, 1).await;
-    let parked = two.producer.parked_messages(None, 10).await.unwrap();
-    assert_eq!(parked.len(), 1);
-    assert_eq!(
-        (parked[0].message_id.as_str(), parked[0].attempts),
-        (refused[0].as_str(), 3)
-    );
-    let reason = parked[0].last_error.clone().unwrap();
-    assert!(reason.contains("basic.nack"), "{reason}");
+    let row = the_one_parked(&two, &refused[0], 3, &["basic.nack"]).await;
     each_at_least_once(&rabbitmq_ids(&channel, &healthy).await, &ids);
 
     // Room is made: retried by hand, the row is delivered.
@@ -453,7 +411,7 @@ async fn rabbitmq_a_full_queue_refusing_publishes_backs_off_alone_while_the_rest
         .queue_purge(full.as_str().into(), QueuePurgeOptions::default())
         .await
         .unwrap();
-    assert!(two.producer.retry_parked(parked[0].row).await.unwrap());
+    assert!(two.producer.retry_parked(row).await.unwrap());
     two.until_published(1001, 0).await;
     relay.shutdown().await;
     assert_eq!(rabbitmq_ids(&channel, &full).await, refused);
@@ -504,14 +462,7 @@ async fn jetstream_a_full_stream_refusing_messages_backs_off_alone_while_the_res
     let relay = two.producer.spawn_relay(publisher, options);
     two.until_published(200, 1).await;
     relay.shutdown().await;
-    let parked = two.producer.parked_messages(None, 10).await.unwrap();
-    assert_eq!(parked.len(), 1);
-    assert_eq!(
-        (parked[0].message_id.as_str(), parked[0].attempts),
-        (refused[0].as_str(), 3)
-    );
-    let reason = parked[0].last_error.clone().unwrap();
-    assert!(reason.contains("the stream refused"), "{reason}");
+    the_one_parked(&two, &refused[0], 3, &["the stream refused"]).await;
     let mut info = context.get_stream(format!("OPEN_{prefix}")).await.unwrap();
     assert_eq!(info.info().await.unwrap().state.messages, 200);
 }
