@@ -17,6 +17,7 @@ use lapin::options::{BasicGetOptions, BasicPublishOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Connection, ConnectionProperties};
 use support::amqp::{amqp_url, dead_letters, depth, publish, queue, start};
+use support::forging::{Method, forging_acknowledgements};
 use support::{Kind, Order, Shop, eventually};
 
 /// Runs the runner in the background until `done` holds, then shuts it down.
@@ -516,6 +517,33 @@ async fn returned_dead_letters_among_retries_in_flight_are_never_taken_for_confi
             effects.values().all(|n| *n == 1) && !effects.keys().any(|k| k.starts_with("poison"))
         );
     }
+}
+
+/// A connection that fails during the runner's setup with an error carrying a channel's code
+/// (lapin's 406 for an acknowledgement of a publication never sent; a proxy forges one right
+/// after the channel enters confirm mode) is a lost connection, not the broker's refusal of the
+/// runner's queues: the runner connects again and consumes, instead of ending with an error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_failed_in_setup_by_a_forged_acknowledgement_is_made_again() {
+    let (_connection, channel, queue) = queue().await;
+    let shop = Shop::new().await;
+    publish(&channel, &queue, Some("ok"), Kind::Ok).await;
+    let url = forging_acknowledgements(&amqp_url(), Method::CONFIRM_SELECT_OK, 1, 1).await;
+    let runner = Runner::connect(url, &queue);
+    let (shutdown, running) = start(runner, &shop);
+    eventually(Duration::from_secs(30), async || {
+        running.is_finished() || shop.effects().await.contains_key("ok")
+    })
+    .await;
+    assert!(
+        !running.is_finished(),
+        "the runner ended: {:?}",
+        running.await
+    );
+    shutdown.cancel();
+    let stats = running.await.unwrap().unwrap();
+    assert_eq!((stats.processed, stats.reconnects), (1, 1), "{stats:?}");
+    assert_eq!(shop.effects().await["ok"], 1);
 }
 
 /// Issue 21: `RetryPolicy::new(n, d).max_delay(m)` with `n ≥ 66` made the runner panic at start

@@ -266,11 +266,14 @@ impl Runner {
 /// Whether `error` is the broker's refusal of what was asked on a channel (a channel-level error,
 /// after which RabbitMQ closes that channel: a missing queue or exchange, a queue declared with
 /// other arguments or held exclusively elsewhere, no permission, a message over
-/// `max_message_size`), as opposed to a lost connection.
-fn is_refusal(error: &lapin::Error) -> bool {
+/// `max_message_size`), as opposed to a lost connection. Not while `connection` (the channel's, when
+/// known) is closed: lapin fails every channel of a connection with the error that closed it,
+/// which can carry a channel's code (its own 406 for a broker's acknowledgement of a publication
+/// never sent), and that is nothing the broker refused.
+fn is_refusal(error: &lapin::Error, connection: Option<&Connection>) -> bool {
     matches!(
         error.kind(),
         lapin::ErrorKind::ProtocolError(amqp)
             if matches!(amqp.kind(), lapin::protocol::AMQPErrorKind::Soft(_))
-    )
+    ) && connection.is_none_or(|connection| connection.status().connected())
 }

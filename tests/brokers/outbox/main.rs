@@ -9,6 +9,9 @@
 
 mod alarm;
 mod delivery;
+#[path = "../support/forging.rs"]
+#[allow(dead_code)]
+mod forging;
 mod one_bad_thing;
 
 /// Held for reading by each case on RabbitMQ, and for writing by a case that raises a memory

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use idempotent::outbox::{Destination, Outbox, OutgoingMessage};
 
+use crate::forging::{Method, forging_acknowledgements};
 use crate::{
     Two, amqp_url, each_at_least_once, options, rabbitmq_ids, rabbitmq_queue, rabbitmqctl,
 };
@@ -237,70 +238,6 @@ async fn rabbitmq_a_message_over_the_brokers_size_limit_is_parked_and_holds_up_n
     each_at_least_once(&rabbitmq_ids(&channel, &queue).await, &ids);
 }
 
-/// A TCP proxy in front of the test broker that, on each of the first `times` connections through
-/// it, adds a `basic.ack` of a delivery tag nobody published after the broker's `after`-th: a
-/// broker (or something between) that acknowledges what was never sent. Returns the URL to
-/// connect to through it.
-async fn forging_acknowledgements(after: usize, times: usize) -> String {
-    use std::sync::Arc;
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    use tokio::net::{TcpListener, TcpStream};
-
-    let url = amqp_url();
-    let (scheme, rest) = url.split_once("://").unwrap();
-    let (credentials, rest) = rest.split_once('@').unwrap();
-    let (broker, vhost) = rest.split_once('/').unwrap_or((rest, ""));
-    let broker = broker.to_owned();
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let connections = Arc::new(AtomicUsize::new(0));
-    tokio::spawn(async move {
-        while let Ok((client, _)) = listener.accept().await {
-            let Ok(server) = TcpStream::connect(&broker).await else {
-                continue;
-            };
-            let mut forge = connections.fetch_add(1, Ordering::SeqCst) < times;
-            tokio::spawn(async move {
-                let (mut from_client, mut to_client) = client.into_split();
-                let (mut from_server, mut to_server) = server.into_split();
-                tokio::spawn(async move {
-                    let _ = tokio::io::copy(&mut from_client, &mut to_server).await;
-                });
-                let mut acks = 0;
-                loop {
-                    // A frame: type, channel (2 bytes), size (4), payload, end octet.
-                    let mut header = [0u8; 7];
-                    if from_server.read_exact(&mut header).await.is_err() {
-                        return;
-                    }
-                    let size = u32::from_be_bytes(header[3..7].try_into().unwrap()) as usize;
-                    let mut frame = header.to_vec();
-                    frame.resize(7 + size + 1, 0);
-                    if from_server.read_exact(&mut frame[7..]).await.is_err() {
-                        return;
-                    }
-                    // A method frame of class 60 (basic), method 80 (ack).
-                    if header[0] == 1 && size >= 4 && frame[7..11] == [0, 60, 0, 80] {
-                        acks += 1;
-                        if forge && acks == after {
-                            forge = false;
-                            frame.extend_from_slice(&[1, header[1], header[2], 0, 0, 0, 13]);
-                            frame.extend_from_slice(&[0, 60, 0, 80]);
-                            frame.extend_from_slice(&(1u64 << 40).to_be_bytes());
-                            frame.extend_from_slice(&[0, 0xCE]);
-                        }
-                    }
-                    if to_client.write_all(&frame).await.is_err() {
-                        return;
-                    }
-                }
-            });
-        }
-    });
-    format!("{scheme}://{credentials}@127.0.0.1:{port}/{vhost}")
-}
-
 /// lapin fails a connection whose broker acknowledges a publication never sent, and every
 /// publication in flight on every one of its channels with that error, which carries a channel's
 /// code (406). That is no publication's refusal: no row counts an attempt for it, none is parked,
@@ -313,7 +250,7 @@ async fn rabbitmq_a_connection_failed_by_a_forged_acknowledgement_parks_no_row()
     let ids = two
         .orders("paid", 400, &Destination::queue(queue.clone()))
         .await;
-    let url = forging_acknowledgements(5, 4).await;
+    let url = forging_acknowledgements(&amqp_url(), Method::BASIC_ACK, 5, 4).await;
     let relay = relay_to_rabbitmq(&two, &url).await;
     two.until_published(400, 0).await;
     relay.shutdown().await;

@@ -4,6 +4,8 @@
 
 #[cfg(feature = "rabbitmq")]
 pub mod amqp;
+#[cfg(feature = "rabbitmq")]
+pub mod forging;
 #[cfg(feature = "nats")]
 pub mod jetstream;
 #[cfg(feature = "kafka")]

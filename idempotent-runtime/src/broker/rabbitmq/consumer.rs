@@ -146,7 +146,7 @@ impl ReconnectingConsumer {
             declared
         };
         match tokio::time::timeout(self.setup.publish_timeout, probe).await {
-            Ok(Err(error)) if is_refusal(&error) => {
+            Ok(Err(error)) if is_refusal(&error, session.connection.as_deref()) => {
                 tracing::warn!(queue, %error, "the broker cancelled the runner's consumer");
                 Some(BrokerError::Cancelled {
                     source_name: queue.to_owned(),
@@ -184,7 +184,7 @@ impl ReconnectingConsumer {
         };
         let setup = &self.setup;
         let classify = |error: lapin::Error| {
-            if is_refusal(&error) {
+            if is_refusal(&error, connection.as_deref()) {
                 OpenError::Fatal(BrokerError::broker(error))
             } else {
                 OpenError::Lost(error)
@@ -219,7 +219,7 @@ impl ReconnectingConsumer {
         declare(&channel, &setup.dead_letters, FieldTable::default())
             .await
             .map_err(|error| {
-                if is_refusal(&error) {
+                if is_refusal(&error, connection.as_deref()) {
                     OpenError::Fatal(BrokerError::DeadLetterTarget {
                         target: setup.dead_letters.clone(),
                         reason: format!("the broker refused to declare the queue: {error}"),

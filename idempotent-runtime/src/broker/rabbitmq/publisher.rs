@@ -294,19 +294,12 @@ impl OutboxPublisher {
 /// Returns the broker's refusal that `error` is, if it is one ([`is_refusal`]: RabbitMQ closed the
 /// channel), as [`PublishError::Rejected`] with the broker's code and reason. The channel carried
 /// one publication or one exchange check, so the refusal is that one's: no such exchange (404), no
-/// access to it (403), a message over `max_message_size` (406). Not while `connection` is closed:
-/// lapin fails every channel of a connection with the error that closed it, which can carry a
-/// channel's code (its own 406 for a broker's acknowledgement of a publication never sent), and
-/// that is no publication's fault.
+/// access to it (403), a message over `max_message_size` (406).
 fn refusal(error: &lapin::Error, connection: &Connection) -> Option<PublishError> {
     match error.kind() {
-        ErrorKind::ProtocolError(amqp) if is_refusal(error) && connection.status().connected() => {
-            Some(PublishError::rejected(format!(
-                "{} {}",
-                amqp.get_id(),
-                amqp.get_message()
-            )))
-        }
+        ErrorKind::ProtocolError(amqp) if is_refusal(error, Some(connection)) => Some(
+            PublishError::rejected(format!("{} {}", amqp.get_id(), amqp.get_message())),
+        ),
         _ => None,
     }
 }
