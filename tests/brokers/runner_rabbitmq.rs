@@ -18,7 +18,7 @@ use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Connection, ConnectionProperties};
 use support::amqp::{amqp_url, dead_letters, depth, publish, queue, start};
 use support::forging::{Method, forging_acknowledgements};
-use support::{Kind, Order, Shop, eventually};
+use support::{Kind, Order, Shop, eventually, eventually_while_running};
 
 /// Runs the runner in the background until `done` holds, then shuts it down.
 async fn run_until(
@@ -530,16 +530,11 @@ async fn a_connection_failed_in_setup_by_a_forged_acknowledgement_is_made_again(
     publish(&channel, &queue, Some("ok"), Kind::Ok).await;
     let url = forging_acknowledgements(&amqp_url(), Method::CONFIRM_SELECT_OK, 1, 1).await;
     let runner = Runner::connect(url, &queue);
-    let (shutdown, running) = start(runner, &shop);
-    eventually(Duration::from_secs(30), async || {
-        running.is_finished() || shop.effects().await.contains_key("ok")
+    let (shutdown, mut running) = start(runner, &shop);
+    eventually_while_running(Duration::from_secs(30), &mut running, async || {
+        shop.effects().await.contains_key("ok")
     })
     .await;
-    assert!(
-        !running.is_finished(),
-        "the runner ended: {:?}",
-        running.await
-    );
     shutdown.cancel();
     let stats = running.await.unwrap().unwrap();
     assert_eq!((stats.processed, stats.reconnects), (1, 1), "{stats:?}");

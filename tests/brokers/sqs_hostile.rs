@@ -26,7 +26,10 @@ use idempotent::outbox::{Destination, OutgoingMessage, Publication, PublishError
 use support::sqs::{
     Proxy, client, client_at, create, dead_letters, depth, queues, redrive_to, send, sqs_url,
 };
-use support::{Attempt, Incoming, Kind, Order, Outcome, Shop, ShopError, eventually, on_order};
+use support::{
+    Attempt, Incoming, Kind, Order, Outcome, Shop, ShopError, eventually, eventually_while_running,
+    on_order,
+};
 use tokio::net::{TcpListener, TcpStream};
 
 // ---------------------------------------------------------------------------------------------
@@ -424,22 +427,17 @@ async fn a_handler_that_panics_every_time_is_dead_lettered_after_its_attempts_wi
         })
     };
     let shutdown = Shutdown::new();
-    let running = start(
+    let mut running = start(
         Runner::new(sqs.clone(), &queue)
             .wait_time(Duration::from_secs(1))
             .retry(RetryPolicy::new(3, Duration::from_secs(1))),
         vec![panicking(&shop), panicking(&shop)],
         &shutdown,
     );
-    eventually(Duration::from_secs(30), async || {
-        running.is_finished() || depth(&sqs, &queue).await == 0
+    eventually_while_running(Duration::from_secs(30), &mut running, async || {
+        depth(&sqs, &queue).await == 0
     })
     .await;
-    assert!(
-        !running.is_finished(),
-        "the runner ended: {:?}",
-        running.await
-    );
     shutdown.cancel();
     let stats = running.await.unwrap().unwrap();
     assert_eq!(shop.attempt_numbers("boom"), [1, 2, 3]);

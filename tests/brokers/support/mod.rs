@@ -286,6 +286,21 @@ pub async fn eventually(limit: Duration, mut done: impl AsyncFnMut() -> bool) {
     }
 }
 
+/// [`eventually`] while a runner's task runs: fails at once, with how the runner ended, if it ends
+/// before `done` holds.
+pub async fn eventually_while_running<T: std::fmt::Debug>(
+    limit: Duration,
+    running: &mut tokio::task::JoinHandle<T>,
+    mut done: impl AsyncFnMut() -> bool,
+) {
+    eventually(limit, async || running.is_finished() || done().await).await;
+    assert!(
+        !running.is_finished(),
+        "the runner ended: {:?}",
+        running.await
+    );
+}
+
 /// The shop's body for a runner in batch mode: the same effect, on the batch's connection.
 #[derive(Clone)]
 pub struct ShopBody {
